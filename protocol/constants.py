@@ -1,0 +1,117 @@
+"""Every number of the wire contract, named once (docs/contract.md sections 3-9).
+
+Nothing here computes; other modules import these names, and so do engine code and the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# -- section 3: framing ---------------------------------------------------------------------------
+MAGIC: Final = 0x4B505344  # the bytes b"DSPK" read as a little-endian u32
+VERSION: Final = 1
+APP_HEADER_SIZE: Final = 24
+U32_MASK: Final = 0xFFFFFFFF
+U64_MASK: Final = 0xFFFFFFFFFFFFFFFF
+
+# -- section 4: operations ------------------------------------------------------------------------
+OP_HELLO: Final = 1
+OP_STEP: Final = 2
+OP_PING: Final = 3
+OP_STATS: Final = 4
+OP_RESET: Final = 5
+OP_NAMES: Final[dict[int, str]] = {
+    OP_HELLO: "HELLO",
+    OP_STEP: "STEP",
+    OP_PING: "PING",
+    OP_STATS: "STATS",
+    OP_RESET: "RESET",
+}
+
+# -- section 5: frame statuses --------------------------------------------------------------------
+ST_OK: Final = 0
+ST_NO_SESSION: Final = 1
+ST_STALE_SEQ: Final = 2
+ST_BUSY: Final = 3
+ST_INTERNAL: Final = 4
+ST_BAD_FRAME: Final = 16
+ST_VERSION: Final = 17
+ST_IDENTITY: Final = 18
+ST_GEOMETRY: Final = 19
+ST_LIMITS: Final = 20
+ST_AUTH: Final = 21
+FRAME_STATUS_NAMES: Final[dict[int, str]] = {
+    ST_OK: "OK",
+    ST_NO_SESSION: "NO_SESSION",
+    ST_STALE_SEQ: "STALE_SEQ",
+    ST_BUSY: "BUSY",
+    ST_INTERNAL: "INTERNAL",
+    ST_BAD_FRAME: "BAD_FRAME",
+    ST_VERSION: "VERSION",
+    ST_IDENTITY: "IDENTITY",
+    ST_GEOMETRY: "GEOMETRY",
+    ST_LIMITS: "LIMITS",
+    ST_AUTH: "AUTH",
+}
+# The client disables remote drafting for the engine run on any of these.
+FATAL_FRAME_STATUS: Final = frozenset(
+    {ST_BAD_FRAME, ST_VERSION, ST_IDENTITY, ST_GEOMETRY, ST_LIMITS, ST_AUTH}
+)
+
+# -- section 6.1: HELLO ---------------------------------------------------------------------------
+SAMPLE_GREEDY: Final = 0
+SAMPLE_TOP32: Final = 1
+SAMPLE_MODE_NAMES: Final[dict[int, str]] = {SAMPLE_GREEDY: "greedy", SAMPLE_TOP32: "top32"}
+TAPS_BF16: Final = 1
+TAP_DTYPE_NAMES: Final[dict[int, str]] = {TAPS_BF16: "bf16"}
+TAP_DTYPE_BYTES: Final[dict[int, int]] = {TAPS_BF16: 2}
+CAP_TAPS_BF16: Final = 1
+CAP_TOP32: Final = 2
+CAP_MARGIN: Final = 4
+KNOWN_CAPABILITIES: Final = CAP_TAPS_BF16 | CAP_TOP32 | CAP_MARGIN
+NAME_BYTES: Final = 32  # client_name / worker_name: UTF-8, NUL padded
+IDENTITY_BYTES: Final = 32  # SHA-256
+AUTH_TAG_BYTES: Final = 32  # HMAC-SHA256
+
+# -- section 7: STEP ------------------------------------------------------------------------------
+RS_OK: Final = 0
+RS_PARTIAL_WINDOW: Final = 1
+RS_NO_WINDOW: Final = 2
+RS_STALE_GENERATION: Final = 3
+RS_SHED: Final = 4
+REQ_STATUS_NAMES: Final[dict[int, str]] = {
+    RS_OK: "OK",
+    RS_PARTIAL_WINDOW: "PARTIAL_WINDOW",
+    RS_NO_WINDOW: "NO_WINDOW",
+    RS_STALE_GENERATION: "STALE_GENERATION",
+    RS_SHED: "SHED",
+}
+USABLE_REQ_STATUS: Final = frozenset({RS_OK, RS_PARTIAL_WINDOW})
+
+RF_NEED_DRAFT: Final = 1
+RF_RESET: Final = 2
+RF_RELEASE: Final = 4
+KNOWN_REQ_FLAGS: Final = RF_NEED_DRAFT | RF_RESET | RF_RELEASE
+KNOWN_STEP_FLAGS: Final = 0  # no step flags are defined in version 1
+
+STEP_HEADER_SIZE: Final = 32
+REQ_ENTRY_SIZE: Final = 48
+
+# -- section 7.4: StepReply -----------------------------------------------------------------------
+REPLY_HEADER_SIZE: Final = 24
+RPF_MARGIN: Final = 1
+RPF_SAMPLED: Final = 2
+KNOWN_REPLY_FLAGS: Final = RPF_MARGIN | RPF_SAMPLED
+REPLY_ALIGN: Final = 8  # every reply array starts at a multiple of this from the body's start
+
+# -- section 9: sampled proposals (dyadic24) ------------------------------------------------------
+MAX_TOP_K: Final = 32  # support places per drafted position
+Q_BITS: Final = 24
+Q_TOTAL: Final = 1 << Q_BITS  # every drafted position's q sums to exactly this
+
+# -- section 11: limits (defaults; the worker may be configured tighter or looser) ----------------
+# Largest frame body the decoder will buffer: a 4096-row resync of 32 KiB rows plus headers.
+DEFAULT_MAX_BODY_BYTES: Final = 256 << 20
+# Largest number of draft positions per entry the wire can name (num_spec is u16); the worker's
+# own N is far smaller.
+MAX_NUM_SPEC: Final = 64

@@ -1,0 +1,177 @@
+"""Frames on a byte stream, sans-IO (docs/contract.md section 3).
+
+``frame``/``split_frame`` build and read one whole frame. ``FrameDecoder`` cuts a stream into
+frames: bytes in, ``Frame`` objects out, no sockets. It can be driven two ways:
+
+* ``feed(data)``: the caller hands it bytes it received (copied once into place);
+* ``get_buffer(hint)`` / ``buffer_updated(n)``: the shape of ``asyncio.BufferedProtocol``. The
+  transport receives straight into the decoder's memory, and a frame's body is received straight
+  into the buffer that the frame will own (from ``alloc``, e.g. a pool of pinned buffers), so a
+  large rows region is never assembled from chunks.
+
+A body over ``max_body`` is refused from its header, before a byte of it is buffered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+import msgspec
+
+from .constants import APP_HEADER_SIZE, DEFAULT_MAX_BODY_BYTES
+from .errors import BadFrameError, FrameTooLargeError
+from .header import AppHeader
+
+Buffer = bytes | bytearray | memoryview
+
+# Bytes the decoder reads at once while it waits for headers: many small frames per receive.
+SCRATCH_BYTES: Final = 64 << 10
+
+
+def frame(op: int, seq: int, session: int, body: Buffer = b"", status: int = 0) -> bytes:
+    """One whole frame: header and body."""
+    out = bytearray(APP_HEADER_SIZE + len(body))
+    AppHeader(op=op, seq=seq, session=session, body_len=len(body), status=status).pack_into(out)
+    out[APP_HEADER_SIZE:] = body
+    return bytes(out)
+
+
+def split_frame(buf: Buffer) -> tuple[AppHeader, memoryview]:
+    """Header and body (a view) of one whole frame; the body length must match exactly."""
+    h = AppHeader.unpack(buf)
+    have = len(buf) - APP_HEADER_SIZE
+    if h.body_len != have:
+        raise BadFrameError(f"frame header says body_len {h.body_len}, the frame holds {have}",
+                            field="body_len", value=h.body_len, limit=have)
+    return h, memoryview(buf)[APP_HEADER_SIZE:]
+
+
+class Frame(msgspec.Struct, gc=False):
+    """A whole frame. ``body`` is a view of ``len == header.body_len`` into a buffer this frame
+    owns (``storage``): it stays valid after the decoder moves on."""
+
+    header: AppHeader
+    body: memoryview
+    storage: bytearray | memoryview | None = None
+
+
+class FrameDecoder:
+    """Cut a byte stream into frames.
+
+    Errors are raised from ``feed``/``buffer_updated``: ``FrameHeaderError`` (bad magic: the
+    stream cannot be resynchronised and must be closed) and ``FrameTooLargeError`` (body_len over
+    ``max_body``; ``error_header`` then holds the header so the reply can echo it). After an error
+    the decoder refuses further input."""
+
+    def __init__(self, max_body: int = DEFAULT_MAX_BODY_BYTES,
+                 alloc: Callable[[int], bytearray | memoryview] = bytearray) -> None:
+        if max_body < 0:
+            raise ValueError(f"max_body {max_body} is negative")
+        self.max_body = max_body
+        self._alloc = alloc
+        self._scratch = bytearray(SCRATCH_BYTES)
+        self._have = 0  # bytes held in scratch, not yet parsed
+        self._header: AppHeader | None = None  # header of the frame whose body is arriving
+        self._body: bytearray | memoryview | None = None
+        self._body_have = 0
+        self.error: BadFrameError | None = None
+        self.error_header: AppHeader | None = None
+        self.frames_decoded = 0
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def has_partial(self) -> bool:
+        """True while part of a frame has arrived and the rest has not."""
+        return self._header is not None or self._have > 0
+
+    @property
+    def partial_bytes(self) -> int:
+        return self._have + (APP_HEADER_SIZE + self._body_have if self._header else 0)
+
+    # -- BufferedProtocol shape ------------------------------------------------------------------
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the next received bytes go: the rest of a body being received, or scratch."""
+        self._check_usable()
+        if self._body is not None and self._header is not None:
+            return memoryview(self._body)[self._body_have:self._header.body_len]
+        return memoryview(self._scratch)[self._have:]
+
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        """``nbytes`` were written into the last ``get_buffer``; return the frames completed."""
+        self._check_usable()
+        frames: list[Frame] = []
+        if self._body is not None and self._header is not None:
+            self._body_have += nbytes
+            if self._body_have < self._header.body_len:
+                return frames
+            self._emit_body(frames)
+            return frames
+        self._have += nbytes
+        self._parse_scratch(frames)
+        return frames
+
+    # -- plain shape ------------------------------------------------------------------------------
+    def feed(self, data: Buffer) -> list[Frame]:
+        """Take received bytes; return the frames they complete, in order."""
+        frames: list[Frame] = []
+        mv = memoryview(data).cast("B")
+        while mv:
+            dst = self.get_buffer(len(mv))
+            n = min(len(dst), len(mv))
+            dst[:n] = mv[:n]
+            mv = mv[n:]
+            frames.extend(self.buffer_updated(n))
+        return frames
+
+    # -- inner work ------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _fail(self, exc: BadFrameError) -> BadFrameError:
+        self.error = exc
+        return exc
+
+    def _parse_scratch(self, frames: list[Frame]) -> None:
+        scratch = self._scratch
+        pos = 0
+        try:
+            while self._have - pos >= APP_HEADER_SIZE:
+                h = AppHeader.unpack(scratch, pos)
+                if h.body_len > self.max_body:
+                    self.error_header = h
+                    raise FrameTooLargeError(
+                        f"frame body_len {h.body_len} is over the limit of {self.max_body}"
+                        f" bytes ({h.op_name}, seq {h.seq})",
+                        field="body_len", value=h.body_len, limit=self.max_body)
+                pos += APP_HEADER_SIZE
+                avail = self._have - pos
+                storage = self._alloc(h.body_len)
+                if avail >= h.body_len:
+                    storage[:h.body_len] = scratch[pos:pos + h.body_len]
+                    pos += h.body_len
+                    frames.append(Frame(h, memoryview(storage)[:h.body_len], storage))
+                    self.frames_decoded += 1
+                    continue
+                # Body larger than what is here: move the part received into the frame's own
+                # buffer; the rest is received straight into it.
+                storage[:avail] = scratch[pos:self._have]
+                self._header, self._body, self._body_have = h, storage, avail
+                pos = self._have
+                break
+        except BadFrameError as exc:
+            self._have = 0
+            raise self._fail(exc) from None
+        rest = self._have - pos
+        if rest and pos:
+            scratch[:rest] = scratch[pos:self._have]
+        self._have = rest
+
+    def _emit_body(self, frames: list[Frame]) -> None:
+        h, storage = self._header, self._body
+        if h is None or storage is None:  # pragma: no cover - guarded by the caller
+            return
+        self._header, self._body, self._body_have = None, None, 0
+        frames.append(Frame(h, memoryview(storage)[:h.body_len], storage))
+        self.frames_decoded += 1

@@ -1,0 +1,231 @@
+"""Value rules on both sides of a STEP (docs/contract.md sections 6.3 and 7.2 step 3).
+
+* ``check_reply_values``: the client refuses a StepReply the target must not see (6.3).
+* ``check_step_shape``: the worker refuses a STEP whose shape breaks 7.2 step 3.
+
+Both are on the hot path: one vectorised pass, and only when it fails a search that names the
+first offender (entry, slot, position, value, limit) in a ``WireError`` subclass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .constants import (
+    KNOWN_REQ_FLAGS,
+    KNOWN_STEP_FLAGS,
+    MAX_TOP_K,
+    REQ_STATUS_NAMES,
+    RF_NEED_DRAFT,
+    RF_RELEASE,
+    RS_OK,
+    RS_PARTIAL_WINDOW,
+    USABLE_REQ_STATUS,
+)
+from .errors import BadFrameError, ReplyValueError
+from .messages import ReqEntry, StepReply, StepView
+
+
+# -- 6.3: the client's check of a reply -----------------------------------------------------------
+def drafted_counts(reply: StepReply, entries: Sequence[ReqEntry], window: int) -> list[int]:
+    """Per entry, ``k``: the positions that carry a draft. Checks the scalar rules of 6.3
+    (known status, window_rows against ``min(W, anchor_pos)``) on the way."""
+    N = reply.num_spec
+    status, wrows = reply.status.tolist(), reply.window_rows.tolist()
+    ks = []
+    for i, e in enumerate(entries):
+        rs, wr = status[i], wrows[i]
+        if rs not in REQ_STATUS_NAMES:
+            raise ReplyValueError(f"slot {e.slot}: unknown request status {rs}", entry=i,
+                                  slot=e.slot, field="status", value=rs)
+        expected = min(window, max(e.anchor_pos, 0))
+        if wr > expected:
+            raise ReplyValueError(
+                f"slot {e.slot}: window_rows {wr} > {expected} readable rows (anchor_pos"
+                f" {e.anchor_pos}, W {window})", entry=i, slot=e.slot, field="window_rows",
+                value=wr, limit=expected)
+        consumed = bool(e.flags & RF_NEED_DRAFT) and rs in USABLE_REQ_STATUS
+        if consumed:
+            if rs == RS_OK and wr != expected:
+                raise ReplyValueError(
+                    f"slot {e.slot}: status OK with window_rows {wr} != {expected}", entry=i,
+                    slot=e.slot, field="window_rows", value=wr, limit=expected)
+            if rs == RS_PARTIAL_WINDOW and wr >= expected:
+                raise ReplyValueError(
+                    f"slot {e.slot}: PARTIAL_WINDOW with window_rows {wr} >= {expected}",
+                    entry=i, slot=e.slot, field="window_rows", value=wr, limit=expected)
+        ks.append((N if e.n_out == 0 else min(e.n_out, N)) if consumed else 0)
+    return ks
+
+
+def check_reply_values(reply: StepReply, entries: Sequence[ReqEntry], *, vocab_size: int,
+                       window: int) -> list[int]:
+    """Refuse a reply that breaks 6.3; return the drafted count ``k`` per entry.
+
+    Draft ids become the target's input ids and confidences feed the depth policy: positions
+    ``j < k`` carry an id in ``[0, vocab_size)``, a confidence in ``[0, 1]`` and a finite margin
+    ``>= 0``; every other position carries zeros. NaN fails every comparison, so it fails."""
+    ks = drafted_counts(reply, entries, window)
+    N = reply.num_spec
+    live = np.arange(N)[None, :] < np.asarray(ks, dtype=np.int64)[:, None]  # [n, N]
+    ids, conf, m = reply.draft_ids, reply.confidence, reply.margin
+    ok = (np.where(live, (ids >= 0) & (ids < vocab_size), ids == 0).all()
+          and np.where(live, (conf >= 0.0) & (conf <= 1.0), conf == 0.0).all()
+          and (m is None or np.where(live, np.isfinite(m) & (m >= 0.0), m == 0.0).all()))
+    if not ok:
+        _raise_first_value(reply, entries, ks, vocab_size)
+    return ks
+
+
+def _raise_first_value(reply: StepReply, entries: Sequence[ReqEntry], ks: list[int],
+                       vocab_size: int) -> None:
+    for i, (e, k) in enumerate(zip(entries, ks, strict=True)):
+        ids, conf = reply.draft_ids[i], reply.confidence[i]
+        where = {"entry": i, "slot": e.slot}
+        bad = np.flatnonzero((ids[:k] < 0) | (ids[:k] >= vocab_size))
+        if bad.size:
+            j = int(bad[0])
+            raise ReplyValueError(
+                f"slot {e.slot} position {j}: draft id {int(ids[j])} outside [0, {vocab_size})",
+                position=j, field="draft_ids", value=int(ids[j]), limit=vocab_size, **where)
+        bad = np.flatnonzero(~((conf[:k] >= 0.0) & (conf[:k] <= 1.0)))
+        if bad.size:
+            j = int(bad[0])
+            raise ReplyValueError(
+                f"slot {e.slot} position {j}: confidence {float(conf[j])!r} is not a"
+                " probability", position=j, field="confidence", value=float(conf[j]),
+                limit=(0.0, 1.0), **where)
+        tails: list[tuple[str, Any]] = [("draft id", ids[k:]), ("confidence", conf[k:])]
+        if reply.margin is not None:
+            m = reply.margin[i]
+            bad = np.flatnonzero(~(np.isfinite(m[:k]) & (m[:k] >= 0.0)))
+            if bad.size:
+                j = int(bad[0])
+                raise ReplyValueError(
+                    f"slot {e.slot} position {j}: margin {float(m[j])!r} is not a finite"
+                    " top1 - top2", position=j, field="margin", value=float(m[j]), **where)
+            tails.append(("margin", m[k:]))
+        for what, tail in tails:
+            bad = np.flatnonzero(tail != 0)
+            if bad.size:
+                j = k + int(bad[0])
+                raise ReplyValueError(
+                    f"slot {e.slot} position {j}: {what} {tail[j - k].item()!r} where the"
+                    f" contract requires 0 (n_out {e.n_out}, status {int(reply.status[i])},"
+                    f" need_draft {bool(e.flags & RF_NEED_DRAFT)})",
+                    position=j, field=what.replace(" ", "_"), value=tail[j - k].item(),
+                    limit=0, **where)
+    raise ReplyValueError("reply values violate section 6.3")  # pass and search disagree
+
+
+# -- 7.2 step 3: the worker's check of a STEP -----------------------------------------------------
+def check_step_shape(view: StepView, *, row_bytes: int, max_slots: int, max_rows_per_step: int,
+                     num_spec: int, sampled: bool) -> None:
+    """Refuse (BadFrameError) a STEP whose shape breaks 7.2 step 3. ``decode_step`` has already
+    checked that the body length is exact."""
+    h, e = view.header, view.entries
+    if h.row_bytes != row_bytes:
+        raise BadFrameError(f"STEP row_bytes {h.row_bytes} is not the session's {row_bytes}",
+                            field="row_bytes", value=h.row_bytes, limit=row_bytes)
+    if h.step_flags & ~KNOWN_STEP_FLAGS:
+        raise BadFrameError(f"STEP step_flags {h.step_flags:#x} hold unknown bits",
+                            field="step_flags", value=h.step_flags, limit=KNOWN_STEP_FLAGS)
+    if h.reserved:
+        raise BadFrameError(f"STEP header reserved field is {h.reserved}, not 0",
+                            field="reserved", value=h.reserved, limit=0)
+    if h.n_req > max_slots:
+        raise BadFrameError(f"STEP n_req {h.n_req} is over max_slots {max_slots}",
+                            field="n_req", value=h.n_req, limit=max_slots)
+    if h.n_rows > max_rows_per_step:
+        raise BadFrameError(f"STEP n_rows {h.n_rows} is over max_rows_per_step"
+                            f" {max_rows_per_step}", field="n_rows", value=h.n_rows,
+                            limit=max_rows_per_step)
+    if h.n_req == 0:
+        return
+    slot = e["slot"].astype(np.int64)
+    n_rows = e["n_rows"].astype(np.int64)
+    total = int(n_rows.sum())
+    if total != h.n_rows:
+        raise BadFrameError(f"entries carry {total} rows in all, the header says n_rows"
+                            f" {h.n_rows}", field="n_rows", value=total, limit=h.n_rows)
+    flags = e["flags"]
+    top_k = e["top_k"]
+    temp, top_p = e["temperature"], e["top_p"]
+    release = (flags & RF_RELEASE) != 0
+    per_entry = (
+        (slot < max_slots)
+        & (n_rows <= e["anchor_pos"])
+        & (e["n_out"] <= num_spec)
+        & (top_k <= MAX_TOP_K)
+        & ((flags & ~KNOWN_REQ_FLAGS) == 0)
+        & ~(release & ((n_rows != 0) | ((flags & RF_NEED_DRAFT) != 0)))
+        & (e["reserved0"] == 0)
+        & (e["reserved1"] == 0)
+    )
+    if sampled:
+        live = top_k > 0
+        per_entry &= ~live | (np.isfinite(temp) & (temp > 0)
+                              & np.isfinite(top_p) & (top_p >= 0) & (top_p <= 1))
+    else:
+        per_entry &= (e["seed"] == 0) & (top_k == 0) & (temp == 0) & (top_p == 0)
+    distinct = np.unique(slot).size == slot.size
+    if per_entry.all() and distinct:
+        return
+    _raise_first_shape(view, max_slots, num_spec, sampled)
+
+
+def _raise_first_shape(view: StepView, max_slots: int, num_spec: int, sampled: bool) -> None:
+    seen: dict[int, int] = {}
+    for i, r in enumerate(view.entries):
+        slot = int(r["slot"])
+        where: dict[str, Any] = {"entry": i, "slot": slot}
+        flags, n_rows, anchor = int(r["flags"]), int(r["n_rows"]), int(r["anchor_pos"])
+        if slot >= max_slots:
+            raise BadFrameError(f"entry {i}: slot {slot} is not below max_slots {max_slots}",
+                                field="slot", value=slot, limit=max_slots, **where)
+        if slot in seen:
+            raise BadFrameError(f"entry {i}: slot {slot} already appears in entry {seen[slot]}",
+                                field="slot", value=slot, **where)
+        seen[slot] = i
+        if n_rows > anchor:
+            raise BadFrameError(f"slot {slot}: n_rows {n_rows} is more than anchor_pos {anchor}"
+                                " (rows exist only for positions before the anchor)",
+                                field="n_rows", value=n_rows, limit=anchor, **where)
+        if int(r["n_out"]) > num_spec:
+            raise BadFrameError(f"slot {slot}: n_out {int(r['n_out'])} is over num_spec"
+                                f" {num_spec}", field="n_out", value=int(r["n_out"]),
+                                limit=num_spec, **where)
+        if int(r["top_k"]) > MAX_TOP_K:
+            raise BadFrameError(f"slot {slot}: top_k {int(r['top_k'])} is over {MAX_TOP_K}",
+                                field="top_k", value=int(r["top_k"]), limit=MAX_TOP_K, **where)
+        if flags & ~KNOWN_REQ_FLAGS:
+            raise BadFrameError(f"slot {slot}: flags {flags:#x} hold unknown bits"
+                                f" {flags & ~KNOWN_REQ_FLAGS:#x}", field="flags", value=flags,
+                                limit=KNOWN_REQ_FLAGS, **where)
+        if flags & RF_RELEASE and (n_rows or flags & RF_NEED_DRAFT):
+            raise BadFrameError(f"slot {slot}: a RELEASE entry carries {n_rows} rows and flags"
+                                f" {flags:#x}; it may carry neither rows nor NEED_DRAFT",
+                                field="flags", value=flags, **where)
+        for name in ("reserved0", "reserved1"):
+            if int(r[name]):
+                raise BadFrameError(f"slot {slot}: entry {name} is {int(r[name])}, not 0",
+                                    field=name, value=int(r[name]), limit=0, **where)
+        if sampled:
+            temp, top_p = float(r["temperature"]), float(r["top_p"])
+            if int(r["top_k"]) > 0 and not (np.isfinite(temp) and temp > 0):
+                raise BadFrameError(f"slot {slot}: temperature {temp!r} is not a finite"
+                                    " positive number", field="temperature", value=temp,
+                                    **where)
+            if int(r["top_k"]) > 0 and not (np.isfinite(top_p) and 0 <= top_p <= 1):
+                raise BadFrameError(f"slot {slot}: top_p {top_p!r} outside [0, 1]",
+                                    field="top_p", value=top_p, limit=(0.0, 1.0), **where)
+        else:
+            for name in ("seed", "top_k", "temperature", "top_p"):
+                if r[name] != 0:
+                    raise BadFrameError(f"slot {slot}: {name} {r[name].item()!r} on a greedy"
+                                        " session, where sampling fields are 0", field=name,
+                                        value=r[name].item(), limit=0, **where)
+    raise BadFrameError("STEP shape violates section 7.2 step 3")  # pass and search disagree
