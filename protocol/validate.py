@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .constants import (
     KNOWN_REQ_FLAGS,
@@ -26,7 +27,7 @@ from .constants import (
     USABLE_REQ_STATUS,
 )
 from .errors import BadFrameError, ReplyValueError
-from .messages import ReqEntry, StepReply, StepView
+from .messages import ReqEntry, StepReply, StepView, entries_from_view
 
 
 # -- 6.3: the client's check of a reply -----------------------------------------------------------
@@ -61,23 +62,52 @@ def drafted_counts(reply: StepReply, entries: Sequence[ReqEntry], window: int) -
     return ks
 
 
-def check_reply_values(reply: StepReply, entries: Sequence[ReqEntry], *, vocab_size: int,
-                       window: int) -> list[int]:
+def _entry_columns(entries: Sequence[ReqEntry] | npt.NDArray[Any]) -> tuple[Any, Any, Any]:
+    """anchor_pos, n_out and flags of every entry as int64 arrays. A packed ENTRY_DTYPE view
+    (what the client just wrote into its STEP buffer) costs nothing; objects cost one pass."""
+    if isinstance(entries, np.ndarray):
+        return (entries["anchor_pos"].astype(np.int64), entries["n_out"].astype(np.int64),
+                entries["flags"].astype(np.int64))
+    cols = np.array([(e.anchor_pos, e.n_out, e.flags) for e in entries],
+                    dtype=np.int64).reshape(-1, 3)
+    return cols[:, 0], cols[:, 1], cols[:, 2]
+
+
+def check_reply_values(reply: StepReply, entries: Sequence[ReqEntry] | npt.NDArray[Any], *,
+                       vocab_size: int, window: int) -> npt.NDArray[np.int64]:
     """Refuse a reply that breaks 6.3; return the drafted count ``k`` per entry.
 
+    ``entries``: the STEP's ReqEntry objects, or its packed entries (an ENTRY_DTYPE array).
     Draft ids become the target's input ids and confidences feed the depth policy: positions
     ``j < k`` carry an id in ``[0, vocab_size)``, a confidence in ``[0, 1]`` and a finite margin
     ``>= 0``; every other position carries zeros. NaN fails every comparison, so it fails."""
-    ks = drafted_counts(reply, entries, window)
     N = reply.num_spec
-    live = np.arange(N)[None, :] < np.asarray(ks, dtype=np.int64)[:, None]  # [n, N]
+    anchor, n_out, flags = _entry_columns(entries)
+    status = reply.status.astype(np.int64)
+    wr = reply.window_rows.astype(np.int64)
+    expected = np.minimum(window, np.maximum(anchor, 0))
+    consumed = ((flags & RF_NEED_DRAFT) != 0) & ((status == RS_OK) | (status == RS_PARTIAL_WINDOW))
+    scalar_ok = (
+        (status <= max(REQ_STATUS_NAMES)).all()
+        and (wr <= expected).all()
+        and not (consumed & (status == RS_OK) & (wr != expected)).any()
+        and not (consumed & (status == RS_PARTIAL_WINDOW) & (wr >= expected)).any()
+    )
+    if not scalar_ok:
+        drafted_counts(reply, _as_objects(entries), window)  # raises, naming the entry
+    ks = np.where(consumed, np.where(n_out == 0, N, np.minimum(n_out, N)), 0)
+    live = np.arange(N)[None, :] < ks[:, None]  # [n, N]
     ids, conf, m = reply.draft_ids, reply.confidence, reply.margin
     ok = (np.where(live, (ids >= 0) & (ids < vocab_size), ids == 0).all()
           and np.where(live, (conf >= 0.0) & (conf <= 1.0), conf == 0.0).all()
           and (m is None or np.where(live, np.isfinite(m) & (m >= 0.0), m == 0.0).all()))
     if not ok:
-        _raise_first_value(reply, entries, ks, vocab_size)
+        _raise_first_value(reply, _as_objects(entries), ks.tolist(), vocab_size)
     return ks
+
+
+def _as_objects(entries: Sequence[ReqEntry] | npt.NDArray[Any]) -> Sequence[ReqEntry]:
+    return entries_from_view(entries) if isinstance(entries, np.ndarray) else entries
 
 
 def _raise_first_value(reply: StepReply, entries: Sequence[ReqEntry], ks: list[int],
@@ -160,7 +190,7 @@ def check_step_shape(view: StepView, *, row_bytes: int, max_slots: int, max_rows
         & (n_rows <= e["anchor_pos"])
         & (e["n_out"] <= num_spec)
         & (top_k <= MAX_TOP_K)
-        & ((flags & ~KNOWN_REQ_FLAGS) == 0)
+        & ((flags | KNOWN_REQ_FLAGS) == KNOWN_REQ_FLAGS)
         & ~(release & ((n_rows != 0) | ((flags & RF_NEED_DRAFT) != 0)))
         & (e["reserved0"] == 0)
         & (e["reserved1"] == 0)
