@@ -70,10 +70,15 @@ def read_header(path: Path) -> dict[str, TensorRef]:
             size = f.tell()
     except OSError as exc:
         raise SafetensorsError(f"{path}: cannot read ({exc})") from exc
+    if len(raw) != n:
+        raise SafetensorsError(f"{path}: header says {n} bytes, the file holds {len(raw)}"
+                               " after the length", value=len(raw), limit=n)
     try:
         meta: dict[str, Any] = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SafetensorsError(f"{path}: header is not JSON ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise SafetensorsError(f"{path}: header is JSON {type(meta).__name__}, not an object")
     base = 8 + n
     out: dict[str, TensorRef] = {}
     for name, info in meta.items():
@@ -101,9 +106,9 @@ def checkpoint_files(directory: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return [directory / name for name in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise SafetensorsError(f"{index}: not a safetensors index ({exc})") from exc
-        return [directory / name for name in sorted(set(weight_map.values()))]
     if (directory / SINGLE_FILE).is_file():
         return [directory / SINGLE_FILE]
     found = sorted(directory.glob("*.safetensors"))

@@ -217,8 +217,11 @@ class StepHeader(msgspec.Struct, frozen=True, gc=False):
     reserved: int = 0
 
     def pack_into(self, buf: bytearray | memoryview, offset: int = 0) -> None:
-        STEP_HEADER_STRUCT.pack_into(buf, offset, self.step_id, self.n_req, self.n_rows,
-                                     self.row_bytes, self.step_flags, self.reserved)
+        try:
+            STEP_HEADER_STRUCT.pack_into(buf, offset, self.step_id, self.n_req, self.n_rows,
+                                         self.row_bytes, self.step_flags, self.reserved)
+        except struct.error as exc:
+            raise BadFrameError(f"StepHeader field out of range: {exc} ({self!r})") from exc
 
     @classmethod
     def unpack(cls, body: Buffer, offset: int = 0) -> StepHeader:
@@ -340,7 +343,11 @@ def entries_from_view(entries: npt.NDArray[Any]) -> list[ReqEntry]:
 # -- RESET (4) ------------------------------------------------------------------------------------
 def pack_reset(slots: list[int]) -> bytes:
     """RESET body: count, then the slots; an empty list means every slot."""
-    return struct.pack(f"<I{len(slots)}I", len(slots), *slots)
+    try:
+        return struct.pack(f"<I{len(slots)}I", len(slots), *slots)
+    except struct.error as exc:
+        raise BadFrameError(f"RESET slots {slots!r} do not fit u32: {exc}",
+                            field="slots") from exc
 
 
 def decode_reset(body: Buffer) -> list[int]:

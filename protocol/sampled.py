@@ -164,7 +164,7 @@ def validate(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayL
     sampled = mask == 1
     zero_pos = ~(sup != 0).any(axis=-1) & ~(q != 0).any(axis=-1)  # [n, N]
     drafted = ~(zero_pos & (drafts == 0))
-    ok_rows = _places_ok(sup.reshape(n * N, -1), q.reshape(n * N, -1), vocab_size,
+    ok_rows = _places_ok(sup.reshape(n * N, MAX_TOP_K), q.reshape(n * N, MAX_TOP_K), vocab_size,
                          np.repeat(tk, N)).reshape(n, N)
     in_support = ((sup == drafts[..., None]) & (q > 0)).any(axis=-1)
     pos_ok = ~drafted | (ok_rows & in_support)
@@ -176,19 +176,19 @@ def validate(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayL
     )
     if fine:
         return
-    _raise_first(mask, sup, q, drafts, want, vocab_size, tk, zero_pos, drafted, ok_rows,
+    _raise_first(mask, sup, q, drafts, need, want, vocab_size, tk, zero_pos, drafted, ok_rows,
                  in_support)
 
 
-def _raise_first(mask: Any, sup: Any, q: Any, drafts: Any, want: Any, vocab_size: int, tk: Any,
-                 zero_pos: Any, drafted: Any, ok_rows: Any, in_support: Any) -> None:
+def _raise_first(mask: Any, sup: Any, q: Any, drafts: Any, need: Any, want: Any, vocab_size: int,
+                 tk: Any, zero_pos: Any, drafted: Any, ok_rows: Any, in_support: Any) -> None:
     n, N = drafts.shape
     for i in range(n):
         if int(mask[i]) not in (0, 1) or bool(mask[i]) != bool(want[i]):
             raise ReplyValueError(
                 f"entry {i}: sampled_mask {int(mask[i])}, the contract requires"
-                f" {int(want[i])} (top_k {int(tk[i])}, drafted with a usable status"
-                f" {bool(want[i]) or int(tk[i]) == 0})",
+                f" {int(want[i])} (top_k {int(tk[i])}, RF_NEED_DRAFT with a usable status"
+                f" {bool(need[i])})",
                 entry=i, field="sampled_mask", value=int(mask[i]), limit=int(want[i]))
         if not mask[i]:
             for j in range(N):

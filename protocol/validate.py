@@ -24,6 +24,7 @@ from .constants import (
     RF_RELEASE,
     RS_OK,
     RS_PARTIAL_WINDOW,
+    U32_MASK,
     USABLE_REQ_STATUS,
 )
 from .errors import BadFrameError, ReplyValueError
@@ -33,15 +34,23 @@ from .messages import ReqEntry, StepReply, StepView, entries_from_view
 # -- 6.3: the client's check of a reply -----------------------------------------------------------
 def drafted_counts(reply: StepReply, entries: Sequence[ReqEntry], window: int) -> list[int]:
     """Per entry, ``k``: the positions that carry a draft. Checks the scalar rules of 6.3
-    (known status, window_rows against ``min(W, anchor_pos)``) on the way."""
+    (one entry per reply row, known status, generation echo, window_rows against
+    ``min(W, anchor_pos)``) on the way."""
     N = reply.num_spec
+    _check_n_req(reply, entries)
     status, wrows = reply.status.tolist(), reply.window_rows.tolist()
+    gens = reply.generation.tolist()
     ks = []
     for i, e in enumerate(entries):
         rs, wr = status[i], wrows[i]
         if rs not in REQ_STATUS_NAMES:
             raise ReplyValueError(f"slot {e.slot}: unknown request status {rs}", entry=i,
                                   slot=e.slot, field="status", value=rs)
+        if gens[i] != e.generation & U32_MASK:
+            raise ReplyValueError(
+                f"slot {e.slot}: generation echo {gens[i]} is not the entry's generation"
+                f" {e.generation & U32_MASK}", entry=i, slot=e.slot, field="generation",
+                value=gens[i], limit=e.generation & U32_MASK)
         expected = min(window, max(e.anchor_pos, 0))
         if wr > expected:
             raise ReplyValueError(
@@ -54,23 +63,31 @@ def drafted_counts(reply: StepReply, entries: Sequence[ReqEntry], window: int) -
                 raise ReplyValueError(
                     f"slot {e.slot}: status OK with window_rows {wr} != {expected}", entry=i,
                     slot=e.slot, field="window_rows", value=wr, limit=expected)
-            if rs == RS_PARTIAL_WINDOW and wr >= expected:
+            if rs == RS_PARTIAL_WINDOW and not 0 < wr < expected:
                 raise ReplyValueError(
-                    f"slot {e.slot}: PARTIAL_WINDOW with window_rows {wr} >= {expected}",
+                    f"slot {e.slot}: PARTIAL_WINDOW with window_rows {wr}, not in (0, {expected})",
                     entry=i, slot=e.slot, field="window_rows", value=wr, limit=expected)
         ks.append((N if e.n_out == 0 else min(e.n_out, N)) if consumed else 0)
     return ks
 
 
-def _entry_columns(entries: Sequence[ReqEntry] | npt.NDArray[Any]) -> tuple[Any, Any, Any]:
-    """anchor_pos, n_out and flags of every entry as int64 arrays. A packed ENTRY_DTYPE view
-    (what the client just wrote into its STEP buffer) costs nothing; objects cost one pass."""
+def _check_n_req(reply: StepReply, entries: Sequence[ReqEntry] | npt.NDArray[Any]) -> None:
+    if len(entries) != reply.n_req:
+        raise ReplyValueError(f"reply has n_req {reply.n_req}, the STEP sent {len(entries)}"
+                              " entries", field="n_req", value=reply.n_req, limit=len(entries))
+
+
+def _entry_columns(entries: Sequence[ReqEntry] | npt.NDArray[Any]
+                   ) -> tuple[Any, Any, Any, Any]:
+    """anchor_pos, n_out, flags and wire generation of every entry as int64 arrays. A packed
+    ENTRY_DTYPE view (what the client just wrote into its STEP buffer) costs nothing; objects
+    cost one pass."""
     if isinstance(entries, np.ndarray):
         return (entries["anchor_pos"].astype(np.int64), entries["n_out"].astype(np.int64),
-                entries["flags"].astype(np.int64))
-    cols = np.array([(e.anchor_pos, e.n_out, e.flags) for e in entries],
-                    dtype=np.int64).reshape(-1, 3)
-    return cols[:, 0], cols[:, 1], cols[:, 2]
+                entries["flags"].astype(np.int64), entries["generation"].astype(np.int64))
+    cols = np.array([(e.anchor_pos, e.n_out, e.flags, e.generation & U32_MASK)
+                     for e in entries], dtype=np.int64).reshape(-1, 4)
+    return cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3]
 
 
 def check_reply_values(reply: StepReply, entries: Sequence[ReqEntry] | npt.NDArray[Any], *,
@@ -82,16 +99,18 @@ def check_reply_values(reply: StepReply, entries: Sequence[ReqEntry] | npt.NDArr
     ``j < k`` carry an id in ``[0, vocab_size)``, a confidence in ``[0, 1]`` and a finite margin
     ``>= 0``; every other position carries zeros. NaN fails every comparison, so it fails."""
     N = reply.num_spec
-    anchor, n_out, flags = _entry_columns(entries)
+    _check_n_req(reply, entries)
+    anchor, n_out, flags, generation = _entry_columns(entries)
     status = reply.status.astype(np.int64)
     wr = reply.window_rows.astype(np.int64)
     expected = np.minimum(window, np.maximum(anchor, 0))
     consumed = ((flags & RF_NEED_DRAFT) != 0) & ((status == RS_OK) | (status == RS_PARTIAL_WINDOW))
     scalar_ok = (
         (status <= max(REQ_STATUS_NAMES)).all()
+        and (reply.generation == generation).all()
         and (wr <= expected).all()
         and not (consumed & (status == RS_OK) & (wr != expected)).any()
-        and not (consumed & (status == RS_PARTIAL_WINDOW) & (wr >= expected)).any()
+        and not (consumed & (status == RS_PARTIAL_WINDOW) & ((wr >= expected) | (wr == 0))).any()
     )
     if not scalar_ok:
         drafted_counts(reply, _as_objects(entries), window)  # raises, naming the entry
@@ -146,7 +165,8 @@ def _raise_first_value(reply: StepReply, entries: Sequence[ReqEntry], ks: list[i
                     f"slot {e.slot} position {j}: {what} {tail[j - k].item()!r} where the"
                     f" contract requires 0 (n_out {e.n_out}, status {int(reply.status[i])},"
                     f" need_draft {bool(e.flags & RF_NEED_DRAFT)})",
-                    position=j, field=what.replace(" ", "_"), value=tail[j - k].item(),
+                    position=j, field="draft_ids" if what == "draft id" else what,
+                    value=tail[j - k].item(),
                     limit=0, **where)
     raise ReplyValueError("reply values violate section 6.3")  # pass and search disagree
 
@@ -173,14 +193,14 @@ def check_step_shape(view: StepView, *, row_bytes: int, max_slots: int, max_rows
         raise BadFrameError(f"STEP n_rows {h.n_rows} is over max_rows_per_step"
                             f" {max_rows_per_step}", field="n_rows", value=h.n_rows,
                             limit=max_rows_per_step)
-    if h.n_req == 0:
-        return
     slot = e["slot"].astype(np.int64)
     n_rows = e["n_rows"].astype(np.int64)
     total = int(n_rows.sum())
     if total != h.n_rows:
         raise BadFrameError(f"entries carry {total} rows in all, the header says n_rows"
                             f" {h.n_rows}", field="n_rows", value=total, limit=h.n_rows)
+    if h.n_req == 0:
+        return
     flags = e["flags"]
     top_k = e["top_k"]
     temp, top_p = e["temperature"], e["top_p"]

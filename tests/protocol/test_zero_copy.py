@@ -1,0 +1,128 @@
+"""Decoders view the frame, encoders write in place (docs/contract.md sections 7.3, 7.4)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protocol.constants import APP_HEADER_SIZE, OP_STEP, RPF_MARGIN, RPF_SAMPLED
+from protocol.framing import FrameDecoder, frame, split_frame
+from protocol.header import AppHeader
+from protocol.messages import (
+    ReqEntry,
+    StepReply,
+    decode_step,
+    pack_step,
+    pack_step_prefix,
+    reply_layout,
+    rows_offset_for,
+)
+
+ROW_BYTES = 32
+ENTRIES = [
+    ReqEntry(slot=0, generation=1, anchor_pos=9, anchor_token=1, n_rows=3, flags=1),
+    ReqEntry(slot=4, generation=2, anchor_pos=5, anchor_token=2, n_rows=2, n_out=1, flags=3),
+]
+N_ROWS = 5
+ROWS = bytes(range(N_ROWS * ROW_BYTES))
+
+
+def _step_frame() -> bytearray:
+    """A received STEP frame in a buffer of its own (as a transport's receive buffer)."""
+    return bytearray(frame(OP_STEP, 3, 7, pack_step(11, ENTRIES, ROWS, ROW_BYTES)))
+
+
+def test_decode_step_views_the_frame() -> None:
+    buf = _step_frame()
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    _, body = split_frame(buf)
+    view = decode_step(body)
+    assert np.shares_memory(view.rows, whole)
+    assert np.shares_memory(view.entries, whole)
+    assert view.rows.tobytes() == ROWS
+    # the rows start where the contract says, 8-byte aligned in the frame
+    start = view.rows.__array_interface__["data"][0] - whole.__array_interface__["data"][0]
+    assert start == APP_HEADER_SIZE + rows_offset_for(2)
+    assert start % 8 == 0
+    # a write to the frame shows through the views: they are not copies
+    buf[start] = 0xEE
+    assert view.rows[0, 0] == 0xEE
+    buf[APP_HEADER_SIZE + 32 + 48] = 9  # entry 1's slot, low byte
+    assert int(view.entries["slot"][1]) == 9
+
+
+def test_decode_step_views_a_decoder_frame_storage() -> None:
+    storage: list[bytearray] = []
+
+    def alloc(n: int) -> bytearray:
+        storage.append(bytearray(n))
+        return storage[-1]
+
+    (f,) = FrameDecoder(alloc=alloc).feed(bytes(_step_frame()))
+    view = decode_step(f.body)
+    whole = np.frombuffer(storage[0], dtype=np.uint8)
+    assert np.shares_memory(view.rows, whole) and np.shares_memory(view.entries, whole)
+
+
+@pytest.mark.parametrize("flags", [0, RPF_MARGIN, RPF_SAMPLED, RPF_MARGIN | RPF_SAMPLED])
+def test_step_reply_unpack_views_the_body(flags: int) -> None:
+    rep = StepReply.empty(5, 3, 4, flags)
+    rep.draft_ids[:] = 7
+    rep.finish(1)
+    received = bytearray(APP_HEADER_SIZE) + bytearray(rep.pack())  # a reply buffer with header
+    whole = np.frombuffer(received, dtype=np.uint8)
+    got = StepReply.unpack(memoryview(received)[APP_HEADER_SIZE:])
+    arrays = [got.status, got.window_rows, got.generation, got.draft_ids, got.confidence,
+              got.margin, got.sampled_mask, got.support_ids, got.proposal_q]
+    present = [a for a in arrays if a is not None]
+    assert len(present) == 5 + bool(flags & RPF_MARGIN) + 3 * bool(flags & RPF_SAMPLED)
+    for a in present:
+        assert np.shares_memory(a, whole)
+        assert a.__array_interface__["data"][0] % 8 == whole.__array_interface__["data"][0] % 8
+    assert (got.draft_ids == 7).all()
+    lo = reply_layout(3, 4, flags)
+    received[APP_HEADER_SIZE + lo.draft_ids] = 9
+    assert got.draft_ids[0, 0] == 9
+
+
+def test_step_reply_into_fills_the_callers_buffer_in_place() -> None:
+    lo = reply_layout(2, 3, RPF_MARGIN)
+    buf = bytearray(b"\xa5" * (APP_HEADER_SIZE + lo.size + 16))
+    rep = StepReply.into(buf, APP_HEADER_SIZE, 77, 2, 3, RPF_MARGIN)
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    assert np.shares_memory(rep.draft_ids, whole) and rep.margin is not None
+    assert np.shares_memory(rep.margin, whole)
+    # the reply's region is zeroed, nothing around it is touched
+    assert buf[:APP_HEADER_SIZE] == b"\xa5" * APP_HEADER_SIZE
+    assert buf[APP_HEADER_SIZE + lo.size:] == b"\xa5" * 16
+    rep.draft_ids[1, 2] = 42
+    rep.margin[0, 0] = 0.5
+    assert rep.finish(99) == lo.size
+    AppHeader(op=OP_STEP, seq=1, session=2, body_len=lo.size).pack_into(buf, 0)
+    _, body = split_frame(buf[:APP_HEADER_SIZE + lo.size])
+    got = StepReply.unpack(body, expect_n_req=2, expect_num_spec=3)
+    assert (got.step_id, got.worker_us, int(got.draft_ids[1, 2])) == (77, 99, 42)
+    assert got.margin is not None and float(got.margin[0, 0]) == 0.5
+
+
+def test_pack_step_prefix_leaves_the_rows_region_alone() -> None:
+    ro = rows_offset_for(len(ENTRIES))
+    size = APP_HEADER_SIZE + ro + N_ROWS * ROW_BYTES
+    buf = bytearray(b"\x5a" * (size + 8))
+    got = pack_step_prefix(buf, APP_HEADER_SIZE, 11, ENTRIES, N_ROWS, ROW_BYTES)
+    assert got == ro
+    assert buf[:APP_HEADER_SIZE] == b"\x5a" * APP_HEADER_SIZE  # the AppHeader is the caller's
+    assert buf[APP_HEADER_SIZE + ro:] == b"\x5a" * (N_ROWS * ROW_BYTES + 8)
+    prefix = bytes(buf[APP_HEADER_SIZE:APP_HEADER_SIZE + ro])
+    assert prefix == pack_step(11, ENTRIES, ROWS, ROW_BYTES)[:ro]
+    assert b"\x5a" not in prefix[24:32]  # reserved and padding are written as zeros
+
+
+def test_pack_step_prefix_into_a_memoryview_slice() -> None:
+    """Headers in one buffer, rows in another: the two-part send."""
+    ro = rows_offset_for(len(ENTRIES))
+    head = bytearray(b"\xff" * (APP_HEADER_SIZE + ro))
+    rows = np.frombuffer(ROWS, dtype=np.uint8).reshape(N_ROWS, ROW_BYTES)
+    pack_step_prefix(memoryview(head), APP_HEADER_SIZE, 11, ENTRIES, N_ROWS, ROW_BYTES)
+    AppHeader(op=OP_STEP, seq=3, session=7, body_len=ro + rows.nbytes).pack_into(head, 0)
+    assert bytes(head) + rows.tobytes() == bytes(_step_frame())

@@ -1,0 +1,118 @@
+"""Import rules of the house (STYLE.md): ``protocol`` is pure (numpy + msgspec, no sockets,
+threads, clocks or torch) and imports neither other package; ``dspark_client`` and
+``dspark_worker`` never import each other. Checked on the source (AST) and, for torch, by
+importing ``protocol`` in a fresh interpreter."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# I/O, concurrency and clocks belong to the worker and the client, never to the contract.
+PROTOCOL_FORBIDDEN = {"socket", "asyncio", "threading", "time", "torch", "select", "selectors",
+                      "multiprocessing", "subprocess", "dspark_worker", "dspark_client"}
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, relative imports resolved to absolute names, including
+    ``importlib.import_module("x")`` and ``__import__("x")`` with a literal name."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    rel = path.relative_to(ROOT).with_suffix("")
+    package = list(rel.parts[:-1])  # the package a module (or an __init__) sits in
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                up = node.level - 1
+                if up > len(package):
+                    out.add("<beyond the top package>")
+                    continue
+                base = package[:len(package) - up]
+            else:
+                base = []
+            mod = [*base, *node.module.split(".")] if node.module else base
+            out.add(".".join(mod))
+            out.update(".".join([*mod, alias.name]) for alias in node.names)
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            arg = node.args[0]
+            if name in ("import_module", "__import__") and isinstance(arg, ast.Constant) \
+                    and isinstance(arg.value, str):
+                out.add(arg.value)
+    return out
+
+
+def top_level(modules: set[str]) -> set[str]:
+    return {m.split(".")[0] for m in modules}
+
+
+def test_the_scanner_sees_imports() -> None:
+    """The rules below are only as good as the scan: check it on files with known imports."""
+    wire = imported_modules(ROOT / "protocol" / "wire.py")
+    assert {"protocol.constants", "protocol.framing", "protocol.messages"} <= wire
+    assert "numpy" in imported_modules(ROOT / "protocol" / "messages.py")
+    assert "hmac" in imported_modules(ROOT / "protocol" / "auth.py")
+
+
+def test_protocol_files_exist() -> None:
+    names = {p.name for p in sources("protocol")}
+    assert {"__init__.py", "wire.py", "messages.py", "framing.py", "sampled.py", "validate.py",
+            "identity.py", "auth.py"} <= names
+
+
+@pytest.mark.parametrize("path", sources("protocol"), ids=lambda p: p.name)
+def test_protocol_stays_pure(path: Path) -> None:
+    bad = top_level(imported_modules(path)) & PROTOCOL_FORBIDDEN
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+    assert "<beyond the top package>" not in imported_modules(path)
+
+
+@pytest.mark.parametrize("path", sources("protocol"), ids=lambda p: p.name)
+def test_protocol_never_validates_with_assert(path: Path) -> None:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)]
+    assert lines == [], f"{path.relative_to(ROOT)} uses assert at lines {lines}"
+
+
+@pytest.mark.parametrize(("package", "other"), [("dspark_client", "dspark_worker"),
+                                                ("dspark_worker", "dspark_client")])
+def test_client_and_worker_never_import_each_other(package: str, other: str) -> None:
+    files = sources(package)
+    assert files, f"{package} has no sources"
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p)
+                                                  if m.split(".")[0] == other)
+                 for p in files}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+PROBE = """
+import json, sys
+import protocol, protocol.wire, protocol.sampled, protocol.validate, protocol.identity
+import protocol.auth
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_importing_protocol_loads_no_torch() -> None:
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True)
+    loaded = set(json.loads(out.stdout))
+    assert {"protocol.wire", "protocol.sampled", "protocol.validate", "protocol.identity",
+            "protocol.auth", "numpy", "msgspec"} <= loaded
+    heavy = sorted(m for m in loaded if m.split(".")[0] in (
+        "torch", "dspark_worker", "dspark_client", "safetensors", "asyncio", "uvloop",
+        "prometheus_client"))
+    assert heavy == []
