@@ -62,7 +62,8 @@ class FrameDecoder:
     Errors are raised from ``feed``/``buffer_updated``: ``FrameHeaderError`` (bad magic: the
     stream cannot be resynchronised and must be closed) and ``FrameTooLargeError`` (body_len over
     ``max_body``; ``error_header`` then holds the header so the reply can echo it). After an error
-    the decoder refuses further input."""
+    the decoder refuses further input. Frames completed by the same call before the error are
+    not returned: with one request in flight per connection (section 2) there are none."""
 
     def __init__(self, max_body: int = DEFAULT_MAX_BODY_BYTES,
                  alloc: Callable[[int], bytearray | memoryview] = bytearray) -> None:
