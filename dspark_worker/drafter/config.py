@@ -1,4 +1,4 @@
-"""The drafter's geometry, read from a DeepSpec-style ``config.json`` (docs: DRAFTER.md, Checkpoints).
+"""The drafter's geometry, read from a DeepSpec-style ``config.json`` (DRAFTER.md, Checkpoints).
 
 One frozen type, :class:`DrafterConfig`, validated once on load. Every refusal is a
 :class:`DrafterConfigError` whose message names the file, the field and the value, for example
@@ -147,7 +147,7 @@ def parse_config(raw: Mapping[str, Any], source: str = "config.json") -> Drafter
     markov_head_type = r.str_("markov_head_type", default="vanilla").lower()
     enable_confidence_head = r.bool_("enable_confidence_head", default=False)
     with_markov_default = enable_confidence_head and markov_rank > 0
-    temps = r.get("confidence_temperatures")
+    temps = r.get("confidence_temperatures", default=None)
     r.check_fixed("hidden_act", "silu")
     r.check_fixed("attention_bias", False)
     rope_theta = r.float_("rope_theta", nested=("rope_parameters", "rope_theta"))

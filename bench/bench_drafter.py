@@ -1,0 +1,228 @@
+"""Draft step and ingest timings of the drafter (dspark_worker.drafter).
+
+    python bench/bench_drafter.py                                  # CPU, embedded default
+    python bench/bench_drafter.py --device cuda --shape qwen3-4b   # H100/H200-class GPU
+
+For each batch size B (lanes, one per slot), with every window full (W rows ending at the
+anchor):
+  draft ms      one ``Drafter.draft`` call for B lanes, N positions, greedy (median, p90);
+                on CUDA timed with CUDA events around the call (the call ends with the download
+                of its results, so the events cover the whole step)
+  sampled ms    the same with every lane sampled (top_k 32, top_p 0.9), when --sampled
+  step ingest   one ``RingPool.apply`` of 4 new rows per lane (a typical STEP: the accepted
+                tokens of the last round), in ms
+  fill GB/s     tap-row bytes per second while filling the rings (W rows per lane, up to
+                ``--chunk-rows`` rows per apply): upload, projection and scatter together
+and the ring memory per lane. The qwen3-4b shape has random weights (no checkpoint is needed
+to time it): d 2560, 5 layers, 32/8 heads of 128, intermediate 9728, vocab 151936, 5 taps of
+hidden 2560, Markov rank 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from dspark_worker.drafter import (
+    Drafter,
+    DrafterConfig,
+    RingPool,
+    SamplingParams,
+    embedded_default,
+    encode_bf16_rows,
+)
+from dspark_worker.drafter.embedded import init_random_
+from dspark_worker.drafter.model import build_model
+
+QWEN3_4B = DrafterConfig(
+    hidden_size=2560,
+    num_hidden_layers=5,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=9728,
+    vocab_size=151936,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    target_layer_ids=(1, 9, 17, 25, 33),
+    block_size=7,
+    mask_token_id=151669,
+    markov_rank=256,
+    markov_head_type="vanilla",
+    enable_confidence_head=True,
+    confidence_head_with_markov=True,
+    target_hidden_size=2560,
+    num_target_layers=36,
+).validated("qwen3-4b shape")
+
+SHAPES = {"tiny": (None, (1, 16, 64), 256), "qwen3-4b": (QWEN3_4B, (1, 16, 64, 256), 1024)}
+STEP_ROWS = 4  # rows per lane in the "step ingest" measurement
+
+
+def build(shape: str, device: torch.device, dtype: torch.dtype | None) -> Drafter:
+    config = SHAPES[shape][0]
+    if config is None:
+        return embedded_default(device=device, dtype=dtype)
+    dt = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = build_model(config, None, device=device, dtype=dt)
+    init_random_(model, seed=1)
+    return Drafter(model, drafter_identity=bytes(32), markov_identity=bytes(32), source=shape)
+
+
+class Timer:
+    """Milliseconds of a callable: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, fn: Callable[[], object]) -> float:
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end))
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def random_rows(n: int, drafter: Drafter, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((n, drafter.config.tap_width), dtype=np.float32)
+    return encode_bf16_rows(values)
+
+
+def fill(pool: RingPool, drafter: Drafter, lanes: np.ndarray, window: int, chunk_rows: int,
+         timer: Timer) -> tuple[float, np.ndarray]:
+    """Reset every lane to W rows ending at position W; returns (GB/s, anchors)."""
+    per_apply = max(1, min(lanes.size, chunk_rows // window))
+    buf = random_rows(per_apply * window, drafter, seed=3)
+    timer.sync()
+    t0 = time.perf_counter()
+    for lo in range(0, lanes.size, per_apply):
+        group = lanes[lo:lo + per_apply]
+        g = group.size
+        pool.apply(group, np.full(g, window), np.full(g, window), np.ones(g, dtype=bool),
+                   buf[:g * window])
+    timer.sync()
+    seconds = time.perf_counter() - t0
+    gb = lanes.size * window * drafter.row_bytes / 1e9
+    return gb / seconds, np.full(lanes.size, window, dtype=np.int64)
+
+
+def quantiles(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def bench_batch(drafter: Drafter, b: int, window: int, args: argparse.Namespace,
+                timer: Timer) -> dict[str, float]:
+    pool = drafter.new_pool(b, window)
+    lanes = pool.allocate(b)
+    fill_gbs, anchors = fill(pool, drafter, lanes, window, args.chunk_rows, timer)
+    tokens = np.arange(b, dtype=np.int64) % drafter.vocab_size
+
+    step_rows = random_rows(b * STEP_ROWS, drafter, seed=4)
+    counts = np.full(b, STEP_ROWS)
+    no_reset = np.zeros(b, dtype=bool)
+    ingest: list[float] = []
+    for _ in range(args.warmup + args.iters):
+        anchors = anchors + STEP_ROWS
+
+        def step(a: np.ndarray = anchors) -> None:
+            pool.apply(lanes, a, counts, no_reset, step_rows)
+
+        ingest.append(timer.ms(step))
+    ingest = ingest[args.warmup:]
+
+    def draft(sampling: SamplingParams | None) -> list[float]:
+        times = [timer.ms(lambda: drafter.draft(pool, lanes, anchors, tokens, sampling=sampling))
+                 for _ in range(args.warmup + args.iters)]
+        return times[args.warmup:]
+
+    rows = pool.window_rows(lanes, anchors)
+    assert (rows == min(window, int(anchors[0]))).all(), "windows must be full for the timing"
+    out: dict[str, float] = {}
+    out["draft_med"], out["draft_p90"] = quantiles(draft(None))
+    if args.sampled:
+        params = SamplingParams(top_k=np.full(b, 32), temperature=np.ones(b),
+                                top_p=np.full(b, 0.9), seed=np.arange(b, dtype=np.uint64),
+                                generation=np.zeros(b))
+        out["sampled_med"], out["sampled_p90"] = quantiles(draft(params))
+    out["ingest_med"], _ = quantiles(ingest)
+    out["fill_gbs"] = fill_gbs
+    out["ring_mib"] = pool.nbytes / 2**20
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                        help="default: bf16 on CUDA, fp32 on the CPU")
+    parser.add_argument("--batches", default=None, help="comma-separated B values")
+    parser.add_argument("--window", type=int, default=None)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--chunk-rows", type=int, default=4096)
+    parser.add_argument("--sampled", action="store_true", help="also time sampled drafts")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype]
+    _, default_batches, default_window = SHAPES[args.shape]
+    batches = ([int(x) for x in args.batches.split(",")] if args.batches else
+               list(default_batches))
+    window = args.window or default_window
+    timer = Timer(device)
+
+    t0 = time.perf_counter()
+    drafter = build(args.shape, device, dtype)
+    drafter.warmup()
+    build_s = time.perf_counter() - t0
+    c = drafter.config
+    per_lane = drafter.new_pool(1, window).bytes_per_lane
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"cpu, {torch.get_num_threads()} threads"
+    print(f"shape {args.shape}: d {c.hidden_size}, {c.num_hidden_layers} layers, "
+          f"{c.num_attention_heads}/{c.num_key_value_heads} heads of {c.head_dim}, "
+          f"vocab {c.vocab_size}, {c.n_taps} taps of {c.target_hidden_size}, "
+          f"row {drafter.row_bytes} B")
+    print(f"device {name}, dtype {str(drafter.dtype).removeprefix('torch.')}, W {window}, "
+          f"N {drafter.num_spec}, built and warmed up in {build_s:.1f} s")
+    print(f"ring bytes per lane: {per_lane} ({per_lane / 2**10:.1f} KiB; "
+          f"{per_lane / window:.0f} B per position, raw row {drafter.row_bytes} B)")
+    head = f"{'B':>5} {'draft ms':>9} {'p90':>7}"
+    if args.sampled:
+        head += f" {'sampled ms':>11} {'p90':>7}"
+    head += f" {'ingest ms (' + str(STEP_ROWS) + ' rows/lane)':>24} {'fill GB/s':>10} " \
+            f"{'rings MiB':>10}"
+    print(head)
+    for b in batches:
+        r = bench_batch(drafter, b, window, args, timer)
+        if timer.cuda:
+            torch.cuda.empty_cache()  # the last B's rings are gone: hand their memory back
+        line = f"{b:>5} {r['draft_med']:>9.2f} {r['draft_p90']:>7.2f}"
+        if args.sampled:
+            line += f" {r['sampled_med']:>11.2f} {r['sampled_p90']:>7.2f}"
+        line += f" {r['ingest_med']:>24.2f} {r['fill_gbs']:>10.3f} {r['ring_mib']:>10.1f}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""The DSpark drafter on torch: model, checkpoints, context rings, drafting (DRAFTER.md;
+CONTRACT 7.2 steps 4-6, 8 and 9). No networking and no asyncio: the runner calls in.
+
+The worker's entry points:
+
+- :func:`load_drafter` (``None`` checkpoint: :func:`embedded_default`) -> :class:`Drafter`
+- :meth:`Drafter.new_pool` -> :class:`RingPool`: ``allocate`` / ``free`` lanes, ``apply`` the
+  rows of a STEP, ``release`` windows, ``window_rows``
+- :meth:`Drafter.draft` -> :class:`DraftResult` (``SamplingParams`` for sampled sessions)
+"""
+
+from .checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint, save_checkpoint
+from .config import DrafterConfig, DrafterConfigError, load_config, parse_config
+from .drafter import (
+    Drafter,
+    DraftResult,
+    SamplingParams,
+    embedded_default,
+    embedded_identities,
+    from_tensors,
+    load_drafter,
+)
+from .embedded import EMBEDDED_CONFIG, random_tensors
+from .model import DrafterModel
+from .rings import PoolExhaustedError, RingPool, decode_bf16_rows, encode_bf16_rows
+
+__all__ = [
+    "EMBEDDED_CONFIG",
+    "CheckpointError",
+    "DraftResult",
+    "Drafter",
+    "DrafterConfig",
+    "DrafterConfigError",
+    "DrafterModel",
+    "LoadedCheckpoint",
+    "PoolExhaustedError",
+    "RingPool",
+    "SamplingParams",
+    "decode_bf16_rows",
+    "embedded_default",
+    "embedded_identities",
+    "encode_bf16_rows",
+    "from_tensors",
+    "load_checkpoint",
+    "load_config",
+    "load_drafter",
+    "parse_config",
+    "random_tensors",
+    "save_checkpoint",
+]

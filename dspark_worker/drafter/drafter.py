@@ -1,0 +1,405 @@
+"""The worker's handle on the drafter: load it, make ring pools, draft a batch of lanes
+(CONTRACT 7.2 step 6, section 9), and a from-scratch reference the tests hold it to.
+
+Host preparation (numpy: window lengths, sampling uniforms, argument checks) is apart from
+device execution (one upload, backbone, Markov walk, one download). On CUDA the weights are
+bf16 by default, small inputs travel through pinned buffers with non-blocking copies, and the
+only synchronisation of a draft is the final download.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import Tensor
+
+from protocol import sampled as protocol_sampled
+from protocol.identity import identities_from_arrays
+
+from .checkpoint import load_checkpoint, tensor_records
+from .config import DrafterConfig
+from .embedded import EMBEDDED_CONFIG, EMBEDDED_SEED, random_tensors
+from .model import ContextSource, DenseContext, DrafterModel, build_model
+from .rings import RingPool, decode_bf16_rows
+from .walk import DeviceSampling, markov_walk
+
+MAX_TOP_K = protocol_sampled.MAX_TOP_K
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-lane sampling fields of a STEP's entries (CONTRACT 7.3), arrays of length B.
+
+    ``top_k == 0``: that lane drafts greedily (CONTRACT 9.2)."""
+
+    top_k: npt.ArrayLike
+    temperature: npt.ArrayLike
+    top_p: npt.ArrayLike
+    seed: npt.ArrayLike
+    generation: npt.ArrayLike
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    """Host arrays for B lanes and N positions."""
+
+    draft_ids: npt.NDArray[np.int32]  # [B, N]
+    confidence: npt.NDArray[np.float32]  # [B, N]
+    margin: npt.NDArray[np.float32]  # [B, N]
+    window_rows: npt.NDArray[np.int64]  # [B] context rows each lane drafted from
+    support_ids: npt.NDArray[np.int32] | None = None  # [B, N, 32] when sampling was given
+    proposal_q: npt.NDArray[np.uint32] | None = None  # [B, N, 32]
+    logits: npt.NDArray[np.float32] | None = None  # [B, N, V] corrected logits (keep_logits)
+
+
+@dataclass(frozen=True)
+class _HostSampling:
+    is_sampled: npt.NDArray[np.bool_]
+    top_k: npt.NDArray[np.int64]
+    temperature: npt.NDArray[np.float64]
+    top_p: npt.NDArray[np.float64]
+    u: npt.NDArray[np.int64]  # [B, N]
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class Drafter:
+    """A loaded drafter on one device. Not thread-safe: one owner (the runner)."""
+
+    def __init__(self, model: DrafterModel, *, drafter_identity: bytes, markov_identity: bytes,
+                 source: str) -> None:
+        self.model = model
+        self.config: DrafterConfig = model.config
+        self.device: torch.device = model.fc.weight.device
+        self.dtype: torch.dtype = model.fc.weight.dtype
+        self.drafter_identity = drafter_identity
+        self.markov_identity = markov_identity
+        self.source = source
+
+    # -- geometry (CONTRACT 6.1) --------------------------------------------------------------
+    @property
+    def row_bytes(self) -> int:
+        return self.config.row_bytes
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def num_spec(self) -> int:
+        return self.config.block_size
+
+    @property
+    def n_taps(self) -> int:
+        return self.config.n_taps
+
+    @property
+    def target_hidden(self) -> int:
+        return self.config.target_hidden_size
+
+    def new_pool(self, capacity_lanes: int, window: int) -> RingPool:
+        return RingPool(self.model, capacity_lanes, window)
+
+    # -- drafting -----------------------------------------------------------------------------
+    def draft(self, pool: RingPool, lanes: npt.ArrayLike, anchor_pos: npt.ArrayLike,
+              anchor_token: npt.ArrayLike, num_spec: int | None = None,
+              sampling: SamplingParams | None = None, keep_logits: bool = False) -> DraftResult:
+        """Draft N positions for each lane from the rows its window holds that end exactly at
+        its anchor (``pool.window_rows``; 0 rows drafts from the block alone).
+        ``keep_logits`` also returns the corrected logits z [B, N, V] (tests, diagnostics)."""
+        if pool.model is not self.model:
+            raise ValueError("the ring pool belongs to another drafter")
+        lane_ids = np.asarray(lanes, dtype=np.int64).reshape(-1)
+        anchor, token, n = self._check_batch(lane_ids.size, anchor_pos, anchor_token, num_spec)
+        rows = pool.window_rows(lane_ids, anchor)  # [B]
+        host_sampling = self._host_sampling(sampling, anchor, n)
+        b = lane_ids.size
+        if b == 0:
+            return self._empty(n, sampling is not None)
+        with torch.inference_mode():
+            ints = [lane_ids, anchor, token, anchor - rows, rows]
+            if host_sampling is not None:
+                ints += [host_sampling.top_k, host_sampling.is_sampled.astype(np.int64)]
+            packed = self._upload(np.stack(ints))  # [5 (+2), B] int64
+            lanes_t, anchor_t, token_t, start_t, rows_t = packed[:5]
+            context = pool.context(lane_ids, lanes_t, start_t, rows_t)
+            dev_sampling = self._device_sampling(host_sampling, packed)
+            out = self._run(anchor_t, token_t, n, context, dev_sampling, keep_logits)
+            return self._download(out, rows)
+
+    def reference_draft(self, rows_per_lane: list[npt.NDArray[np.uint8]],
+                        anchor_pos: npt.ArrayLike, anchor_token: npt.ArrayLike,
+                        num_spec: int | None = None,
+                        sampling: SamplingParams | None = None) -> DraftResult:
+        """The same drafts computed plainly: each lane alone (B = 1), its rows projected from
+        scratch at positions ``[anchor_pos - n, anchor_pos)`` in order, the Markov walk as a
+        host loop, sampled positions through ``protocol.sampled`` itself. Slow; for tests."""
+        anchor, token, n = self._check_batch(len(rows_per_lane), anchor_pos, anchor_token,
+                                             num_spec)
+        host_sampling = self._host_sampling(sampling, anchor, n)
+        b = len(rows_per_lane)
+        if b == 0:
+            return self._empty(n, sampling is not None)
+        c = self.config
+        drafts = np.zeros((b, n), dtype=np.int32)
+        confs = np.zeros((b, n), dtype=np.float32)
+        margins = np.zeros((b, n), dtype=np.float32)
+        support = np.zeros((b, n, MAX_TOP_K), dtype=np.int32)
+        qs = np.zeros((b, n, MAX_TOP_K), dtype=np.uint32)
+        counts = np.zeros(b, dtype=np.int64)
+        model = self.model
+        with torch.inference_mode():
+            for i, rows in enumerate(rows_per_lane):
+                table = np.asarray(rows, dtype=np.uint8).reshape(-1, c.row_bytes)
+                r = table.shape[0]
+                counts[i] = r
+                a = int(anchor[i])
+                taps = torch.from_numpy(decode_bf16_rows(table, c.tap_width))  # [r, tap_width]
+                positions = torch.arange(a - r, a, dtype=torch.int64)  # [r]
+                k, v = model.project_context(taps.to(self.device, self.dtype),
+                                             positions.to(self.device))  # [L, r, Hkv, D]
+                ctx = DenseContext(k.permute(0, 2, 1, 3).unsqueeze(1),  # [L, 1, Hkv, r, D]
+                                   v.permute(0, 2, 1, 3).unsqueeze(1),
+                                   torch.ones(1, r, dtype=torch.bool, device=self.device))
+                block_ids = torch.full((1, n), c.mask_token_id, dtype=torch.int64)  # [1, N]
+                block_ids[0, 0] = int(token[i])
+                block_pos = torch.arange(a, a + n, dtype=torch.int64).unsqueeze(0)  # [1, N]
+                hf = model.backbone(block_ids.to(self.device), block_pos.to(self.device), ctx)
+                logits = model.logits(hf)[0]  # [N, V]
+                prev = int(token[i])
+                state: Tensor | None = None
+                for j in range(n):
+                    hf_j = hf[:, j]  # [1, d]
+                    z = logits[j]  # [V]
+                    e: Tensor | None = None
+                    if model.markov_head is not None:
+                        prev_t = torch.tensor([prev], dtype=torch.int64, device=self.device)
+                        e, bias, state = model.markov_head.step(prev_t, hf_j, state)
+                        z = z + bias[0].float()  # [V]
+                    z_host = z.float().cpu().numpy()  # [V]
+                    if host_sampling is not None and host_sampling.is_sampled[i]:
+                        ids, q = protocol_sampled.build_q(
+                            z_host, int(host_sampling.top_k[i]),
+                            float(host_sampling.temperature[i]), float(host_sampling.top_p[i]))
+                        x = int(protocol_sampled.draw(ids, q, host_sampling.u[i, j]))
+                        support[i, j], qs[i, j] = ids, q
+                    else:
+                        x = int(np.argmax(z_host))
+                    top2 = np.sort(z_host)[-2:]
+                    margins[i, j] = top2[1] - top2[0]
+                    confs[i, j] = self._reference_confidence(hf_j, e, j)
+                    drafts[i, j] = x
+                    prev = x
+        return DraftResult(drafts, confs, margins, counts,
+                           support if sampling is not None else None,
+                           qs if sampling is not None else None)
+
+    def warmup(self, window: int = 16) -> None:
+        """One ingest and a greedy and a sampled draft on a scratch pool (kernel selection,
+        allocator growth, CUDA context) before the first real STEP."""
+        pool = self.new_pool(2, window)
+        lanes = pool.allocate(2)
+        n_rows = min(window, 4)
+        rows = np.zeros((2 * n_rows, self.row_bytes), dtype=np.uint8)
+        anchor = np.full(2, n_rows, dtype=np.int64)
+        pool.apply(lanes, anchor, np.full(2, n_rows), np.ones(2, dtype=bool), rows)
+        token = np.zeros(2, dtype=np.int64)
+        self.draft(pool, lanes, anchor, token)
+        self.draft(pool, lanes, anchor, token, sampling=SamplingParams(
+            top_k=[0, MAX_TOP_K], temperature=[1.0, 1.0], top_p=[0.0, 0.9], seed=[1, 2],
+            generation=[0, 0]))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _check_batch(self, b: int, anchor_pos: npt.ArrayLike, anchor_token: npt.ArrayLike,
+                     num_spec: int | None) -> tuple[npt.NDArray[np.int64],
+                                                    npt.NDArray[np.int64], int]:
+        n = self.num_spec if num_spec is None else int(num_spec)
+        if not 1 <= n <= self.num_spec:
+            raise ValueError(f"num_spec {n} outside [1, block_size {self.num_spec}]")
+        anchor = np.asarray(anchor_pos, dtype=np.int64).reshape(-1)
+        token = np.asarray(anchor_token, dtype=np.int64).reshape(-1)
+        if anchor.size != b or token.size != b:
+            raise ValueError(f"{b} lanes but {anchor.size} anchor_pos and {token.size}"
+                             " anchor_token")
+        if (anchor < 0).any():
+            raise ValueError(f"anchor_pos {int(anchor.min())} is negative")
+        bad = (token < 0) | (token >= self.vocab_size)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"lane {i}: anchor_token {int(token[i])} outside [0, vocab_size"
+                             f" {self.vocab_size})")
+        return anchor, token, n
+
+    def _host_sampling(self, sampling: SamplingParams | None, anchor: npt.NDArray[np.int64],
+                       n: int) -> _HostSampling | None:
+        if sampling is None:
+            return None
+        b = anchor.size
+        top_k = np.asarray(sampling.top_k, dtype=np.int64).reshape(-1)
+        temperature = np.asarray(sampling.temperature, dtype=np.float32).reshape(-1)
+        top_p = np.asarray(sampling.top_p, dtype=np.float32).reshape(-1)
+        seed = np.asarray(sampling.seed, dtype=np.uint64).reshape(-1)
+        generation = np.asarray(sampling.generation, dtype=np.uint64).reshape(-1)
+        for name, arr in (("top_k", top_k), ("temperature", temperature), ("top_p", top_p),
+                          ("seed", seed), ("generation", generation)):
+            if arr.size != b:
+                raise ValueError(f"sampling.{name} has {arr.size} values for {b} lanes")
+        is_sampled = top_k > 0
+        for i in range(b):
+            if not 0 <= top_k[i] <= MAX_TOP_K:
+                raise ValueError(f"lane {i}: top_k {int(top_k[i])} outside [0, {MAX_TOP_K}]")
+            if not is_sampled[i]:
+                continue
+            t, p = float(temperature[i]), float(top_p[i])
+            if not (math.isfinite(t) and t > 0):
+                raise ValueError(f"lane {i}: temperature {t!r} is not a finite positive number")
+            if not (math.isfinite(p) and 0.0 <= p <= 1.0):
+                raise ValueError(f"lane {i}: top_p {p!r} outside [0, 1]")
+        # u depends only on (seed, generation, position of the drafted token): all of it is
+        # known before the walk, so it is computed here and uploaded once.
+        positions = anchor[:, None] + 1 + np.arange(n)[None, :]  # [B, N]
+        u = protocol_sampled.draw_u(seed[:, None], generation[:, None], positions)
+        return _HostSampling(
+            is_sampled=is_sampled,
+            top_k=np.where(is_sampled, top_k, 1),
+            temperature=np.where(is_sampled, temperature.astype(np.float64), 1.0),
+            top_p=np.where(is_sampled, top_p.astype(np.float64), 0.0),
+            u=u.astype(np.int64),
+        )
+
+    def _device_sampling(self, host: _HostSampling | None, packed: Tensor
+                         ) -> DeviceSampling | None:
+        if host is None:
+            return None
+        floats = self._upload(np.stack([host.temperature, host.top_p]))  # [2, B] float64
+        return DeviceSampling(
+            is_sampled=packed[6] > 0,
+            top_k=packed[5],
+            temperature=floats[0],
+            top_p=floats[1],
+            u=self._upload(host.u),  # [B, N]
+        )
+
+    def _run(self, anchor: Tensor, token: Tensor, n: int, context: ContextSource,
+             sampling: DeviceSampling | None, keep_logits: bool) -> dict[str, Tensor]:
+        model = self.model
+        offsets = torch.arange(n, device=self.device)  # [N]
+        block_ids = torch.full((anchor.shape[0], n), self.config.mask_token_id,
+                               dtype=torch.int64, device=self.device)  # [B, N]
+        block_ids[:, 0] = token
+        block_pos = anchor.unsqueeze(1) + offsets  # [B, N]
+        hf = model.backbone(block_ids, block_pos, context)  # [B, N, d]
+        out = markov_walk(model, hf, model.logits(hf), token, sampling, keep_logits)
+        result = {"draft_ids": out.draft_ids, "confidence": out.confidence,
+                  "margin": out.margin}
+        if out.support_ids is not None and out.proposal_q is not None:
+            result["support_ids"] = out.support_ids
+            result["proposal_q"] = out.proposal_q
+        if out.logits is not None:
+            result["logits"] = out.logits
+        return result
+
+    def _upload(self, array: npt.NDArray[np.generic]) -> Tensor:
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
+
+    def _download(self, out: dict[str, Tensor], rows: npt.NDArray[np.int64]) -> DraftResult:
+        if self.device.type == "cuda":
+            host = {}
+            for name, t in out.items():
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                host[name] = buf
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            host = out
+        support = host.get("support_ids")
+        q = host.get("proposal_q")
+        z = host.get("logits")
+        return DraftResult(
+            draft_ids=host["draft_ids"].numpy().astype(np.int32),
+            confidence=host["confidence"].numpy().astype(np.float32, copy=False),
+            margin=host["margin"].numpy().astype(np.float32, copy=False),
+            window_rows=rows,
+            support_ids=None if support is None else support.numpy().astype(np.int32),
+            proposal_q=None if q is None else q.numpy().astype(np.uint32),
+            logits=None if z is None else z.numpy(),
+        )
+
+    def _empty(self, n: int, with_sampling: bool) -> DraftResult:
+        return DraftResult(
+            draft_ids=np.zeros((0, n), dtype=np.int32),
+            confidence=np.zeros((0, n), dtype=np.float32),
+            margin=np.zeros((0, n), dtype=np.float32),
+            window_rows=np.zeros(0, dtype=np.int64),
+            support_ids=np.zeros((0, n, MAX_TOP_K), dtype=np.int32) if with_sampling else None,
+            proposal_q=np.zeros((0, n, MAX_TOP_K), dtype=np.uint32) if with_sampling else None,
+        )
+
+    def _reference_confidence(self, hf_j: Tensor, e: Tensor | None, j: int) -> float:
+        head = self.model.confidence_head
+        if head is None:
+            return 1.0
+        feats = hf_j if e is None or not self.config.confidence_head_with_markov else \
+            torch.cat([hf_j, e], dim=-1)
+        score = float(head.proj(feats).float()[0, 0])
+        temp = float(self.model.confidence_temperature[j])
+        return 1.0 / (1.0 + math.exp(-score / temp))
+
+
+# -- construction ---------------------------------------------------------------------------------
+
+
+def _resolve(device: str | torch.device, dtype: torch.dtype | None
+             ) -> tuple[torch.device, torch.dtype]:
+    dev = torch.device(device)
+    return dev, dtype if dtype is not None else default_dtype(dev)
+
+
+def load_drafter(checkpoint: str | Path | None, target_checkpoint: str | Path | None = None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Drafter:
+    """A drafter from a DeepSpec checkpoint folder, or the embedded default when
+    ``checkpoint`` is None. dtype defaults to bf16 on CUDA and fp32 on the CPU."""
+    if checkpoint is None:
+        return embedded_default(device=device, dtype=dtype)
+    dev, dt = _resolve(device, dtype)
+    loaded = load_checkpoint(checkpoint, target_checkpoint)
+    model = build_model(loaded.config, loaded.tensors, device=dev, dtype=dt)
+    return Drafter(model, drafter_identity=loaded.drafter_identity,
+                   markov_identity=loaded.markov_identity, source=str(checkpoint))
+
+
+def from_tensors(config: DrafterConfig, tensors: dict[str, torch.Tensor], *,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 source: str = "in-memory") -> Drafter:
+    """A drafter over in-memory tensors (checkpoint layout); identities from their bytes."""
+    dev, dt = _resolve(device, dtype)
+    drafter_id, markov_id = identities_from_arrays(tensor_records(tensors))
+    model = build_model(config, tensors, device=dev, dtype=dt)
+    return Drafter(model, drafter_identity=drafter_id, markov_identity=markov_id, source=source)
+
+
+def embedded_default(device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None) -> Drafter:
+    """The tiny built-in drafter (random weights from a fixed seed): the worker runs with no
+    checkpoint. Its identities are those of its fp32 tensors, as ``save_checkpoint`` writes
+    them."""
+    return from_tensors(EMBEDDED_CONFIG, random_tensors(EMBEDDED_CONFIG, EMBEDDED_SEED),
+                        device=device, dtype=dtype, source="embedded")
+
+
+def embedded_identities() -> tuple[bytes, bytes]:
+    """(drafter_identity, markov_identity) of the embedded default, without building a model."""
+    tensors = random_tensors(EMBEDDED_CONFIG, EMBEDDED_SEED)
+    return identities_from_arrays(tensor_records(tensors))

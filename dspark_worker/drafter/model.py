@@ -1,0 +1,347 @@
+"""The DSpark drafter network, Qwen3 family (DRAFTER.md, "The draft step").
+
+Module and parameter names follow the DeepSpec checkpoint layout exactly, so ``state_dict()`` keys
+are the safetensors keys (``layers.0.self_attn.q_proj.weight`` ...). The numerics mirror
+DeepSpec's ``Qwen3DSparkModel`` (HF Qwen3 RMSNorm, rotary embedding and eager attention):
+
+- context rows: ``c = hidden_norm(fc(taps))``; per layer ``K = rope(k_norm(k_proj(c)))`` at the
+  row's absolute position, ``V = v_proj(c)``; no input_layernorm. These are what the ring stores.
+- block rows: ``[anchor, mask x (N-1)]`` at positions ``anchor_pos + j``; pre-norm decoder layers
+  whose attention reads ``[context K/V ; block K/V]`` with no causal mask; GQA.
+- ``hf = norm(h)``, base logits ``U = lm_head(hf)`` in fp32.
+- the Markov walk and the confidence head live in :mod:`.walk`; their weights live here.
+
+Markov head variants (DeepSpec ``markov_head.py``), with ``e = markov_w1[prev]`` ([V, r] lookup):
+
+- vanilla: ``bias = markov_w2(e)`` (w2 weight [V, r]);
+- gated: ``bias = markov_w2(sigmoid(gate_proj([hf_j ; e])) * e)``, gate_proj Linear(d + r -> r);
+- rnn: a GRU-like state ``s`` (zeros before position 0): ``[g ; c ; o] = joint_proj([s ; e ;
+  hf_j])`` (Linear(2r + d -> 3r)), ``s = sigmoid(g) * s + (1 - sigmoid(g)) * tanh(c)``,
+  ``bias = markov_w2(tanh(o))``.
+
+The confidence head always reads ``[hf_j ; e]`` (or ``hf_j`` alone when
+``confidence_head_with_markov`` is false), with ``e`` the embedding of the token before position
+j, also for the rnn head.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()  # [..., dim]
+        var = x32.pow(2).mean(-1, keepdim=True)  # [..., 1]
+        out: Tensor = self.weight * (x32 * torch.rsqrt(var + self.eps)).to(dtype)  # [..., dim]
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        d, hd = c.hidden_size, c.head_dim
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.head_dim = hd
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, c.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, c.rms_norm_eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [..., d]
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        r, v, d = c.markov_rank, c.vocab_size, c.hidden_size
+        self.kind = c.markov_head_type
+        self.markov_w1 = _embedding(v, r)  # weight [V, r]
+        self.markov_w2 = nn.Linear(r, v, bias=False)  # weight [V, r]
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(d + r, r)
+        elif self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * r + d, 3 * r)
+
+    def step(self, prev: Tensor, hf_j: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor,
+                                                                             Tensor | None]:
+        """One position: (e, bias, new rnn state). prev [B] int64, hf_j [B, d]."""
+        e = self.markov_w1(prev)  # [B, r]
+        if self.kind == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([hf_j, e], dim=-1)))  # [B, r]
+            return e, self.markov_w2(gate * e), state  # bias [B, V]
+        if self.kind == "rnn":
+            if state is None:
+                state = torch.zeros_like(e)  # [B, r]
+            proj = self.joint_proj(torch.cat([state, e, hf_j], dim=-1))  # [B, 3r]
+            g_raw, c_raw, o_raw = proj.chunk(3, dim=-1)  # 3 x [B, r]
+            g = torch.sigmoid(g_raw)  # [B, r]
+            state = g * state + (1.0 - g) * torch.tanh(c_raw)  # [B, r]
+            return e, self.markov_w2(torch.tanh(o_raw)), state  # bias [B, V]
+        return e, self.markov_w2(e), state  # bias [B, V]
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(c.confidence_input_dim, 1)  # weight [1, d (+ r)], bias [1]
+
+
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding with a zero weight (loaded or filled after): nn.Embedding's own normal_
+    init costs about a second on the meta device at its first use in a process."""
+    return nn.Embedding(num, dim, _weight=torch.zeros(num, dim))
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class DrafterModel(nn.Module):
+    """The drafter's weights and its two forward pieces: :meth:`project_context` (ingest) and
+    :meth:`backbone` (one block for B lanes). Inference only; build with :func:`build_model`."""
+
+    inv_freq: Tensor  # [hd/2] fp32, non-persistent (init_buffers)
+    confidence_temperature: Tensor  # [block_size] fp32, non-persistent (init_buffers)
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.embed_tokens = _embedding(c.vocab_size, c.hidden_size)
+        self.fc = nn.Linear(c.tap_width, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.markov_head = MarkovHead(c) if c.has_markov_head else None
+        self.confidence_head = ConfidenceHead(c) if c.enable_confidence_head else None
+        self.scaling = c.head_dim**-0.5
+        self.init_buffers()
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
+
+    # -- buffers that are not weights --------------------------------------------------------
+    def init_buffers(self) -> None:
+        """(Re)make the non-persistent buffers on the weights' device. Call after loading."""
+        c = self.config
+        device = self.fc.weight.device
+        # HF Qwen3RotaryEmbedding "default": computed in fp32 exactly this way.
+        exponent = torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=device).float()
+        inv_freq = 1.0 / (c.rope_theta ** (exponent / c.head_dim))  # [hd/2]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        temps = c.confidence_temperatures or (1.0,) * c.block_size
+        self.register_buffer(
+            "confidence_temperature",
+            torch.tensor(temps, dtype=torch.float32, device=device),  # [block_size]
+            persistent=False,
+        )
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [..., hd] in the model dtype for int64 positions [...]."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [..., hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [..., hd]
+        dtype = self.fc.weight.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    # -- ingest -------------------------------------------------------------------------------
+    def project_context(self, taps: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Context K/V of every layer for R tap rows.
+
+        taps [R, n_taps * target_hidden] (model dtype), positions [R] int64 ->
+        K, V [L, R, kv_heads, head_dim]. Non-finite values become 0 so that a poisoned row can
+        never leak through a masked ring slot (0 * NaN is NaN).
+        """
+        c = self.config
+        rows = taps.shape[0]
+        ctx = self.hidden_norm(self.fc(taps))  # [R, d]
+        cos, sin = self.rope(positions)  # [R, hd]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [R, 1, hd]
+        ks, vs = [], []
+        for layer in self.decoder_layers:
+            attn = layer.self_attn
+            k = attn.k_norm(attn.k_proj(ctx).view(rows, c.num_key_value_heads, c.head_dim))
+            k = k * cos + rotate_half(k) * sin  # [R, Hkv, D]
+            v = attn.v_proj(ctx).view(rows, c.num_key_value_heads, c.head_dim)  # [R, Hkv, D]
+            ks.append(k)
+            vs.append(v)
+        k_all = torch.nan_to_num(torch.stack(ks), nan=0.0, posinf=0.0, neginf=0.0)  # [L, R, Hkv, D]
+        v_all = torch.nan_to_num(torch.stack(vs), nan=0.0, posinf=0.0, neginf=0.0)  # [L, R, Hkv, D]
+        return k_all, v_all
+
+    # -- one block ----------------------------------------------------------------------------
+    def backbone(
+        self,
+        block_ids: Tensor,
+        block_pos: Tensor,
+        context: ContextSource,
+    ) -> Tensor:
+        """Final hidden states hf [B, N, d] of the block.
+
+        block_ids, block_pos [B, N] int64. ``context.layer(l)`` gives that layer's context
+        K, V [B, Hkv, S, D] and ``context.valid`` [B, S] bool marks the slots a lane may read.
+        """
+        c = self.config
+        b, n = block_ids.shape
+        hkv, g, hd = c.num_key_value_heads, c.num_kv_groups, c.head_dim
+        h = self.embed_tokens(block_ids)  # [B, N, d]
+        cos, sin = self.rope(block_pos)  # [B, N, hd]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, N, hd]
+        # Additive mask over [context ; block]: the block sees every valid context slot and the
+        # whole block (no causal mask).
+        s = context.valid.shape[1]
+        ctx_bias = torch.zeros((b, s), dtype=torch.float32, device=h.device)  # [B, S]
+        ctx_bias.masked_fill_(~context.valid, float("-inf"))
+        ctx_bias = ctx_bias.view(b, 1, 1, s)  # [B, 1, 1, S]
+        for index, layer in enumerate(self.decoder_layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)  # [B, N, d]
+            q = attn.q_norm(attn.q_proj(x).view(b, n, c.num_attention_heads, hd))  # [B, N, H, D]
+            k = attn.k_norm(attn.k_proj(x).view(b, n, hkv, hd))  # [B, N, Hkv, D]
+            v = attn.v_proj(x).view(b, n, hkv, hd)  # [B, N, Hkv, D]
+            # Heads of one KV group sit next to each other (HF repeat_kv order): view the
+            # queries as [B, Hkv, G*N, D] so no K/V copy per query head is needed.
+            q = q.transpose(1, 2)  # [B, H, N, D]
+            q = q * cos + rotate_half(q) * sin  # [B, H, N, D]
+            q = q.reshape(b, hkv, g * n, hd)  # [B, Hkv, G*N, D]
+            k = k.transpose(1, 2)  # [B, Hkv, N, D]
+            k = k * cos + rotate_half(k) * sin  # [B, Hkv, N, D]
+            v = v.transpose(1, 2)  # [B, Hkv, N, D]
+            k_ctx, v_ctx = context.layer(index)  # [B, Hkv, S, D] each
+            s_ctx = torch.matmul(q, k_ctx.transpose(-1, -2)) * self.scaling  # [B, Hkv, G*N, S]
+            s_blk = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # [B, Hkv, G*N, N]
+            s_ctx = s_ctx.float() + ctx_bias  # [B, Hkv, G*N, S]
+            scores = torch.cat([s_ctx, s_blk.float()], dim=-1)  # [B, Hkv, G*N, S+N]
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, Hkv, G*N, S+N]
+            out = torch.matmul(probs[..., :s], v_ctx) + torch.matmul(probs[..., s:], v)
+            out = out.view(b, c.num_attention_heads, n, hd)  # [B, H, N, D]
+            out = out.transpose(1, 2).reshape(b, n, c.num_attention_heads * hd)  # [B, N, H*D]
+            h = h + attn.o_proj(out)  # [B, N, d]
+            h = h + layer.mlp(layer.post_attention_layernorm(h))  # [B, N, d]
+        hf: Tensor = self.norm(h)  # [B, N, d]
+        return hf
+
+    def logits(self, hf: Tensor) -> Tensor:
+        out: Tensor = self.lm_head(hf).float()  # [..., V] fp32
+        return out
+
+
+class ContextSource:
+    """Context K/V for :meth:`DrafterModel.backbone`, one layer at a time (a ring gather, or a
+    from-scratch projection in the reference)."""
+
+    valid: Tensor  # [B, S] bool
+
+    def layer(self, index: int) -> tuple[Tensor, Tensor]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class DenseContext(ContextSource):
+    """Context already laid out per lane: K, V [L, B, Hkv, S, D] and valid [B, S]."""
+
+    def __init__(self, k: Tensor, v: Tensor, valid: Tensor) -> None:
+        self.k, self.v, self.valid = k, v, valid
+
+    def layer(self, index: int) -> tuple[Tensor, Tensor]:
+        return self.k[index], self.v[index]
+
+
+def build_model(config: DrafterConfig, tensors: dict[str, Tensor] | None, *,
+                device: torch.device | str, dtype: torch.dtype) -> DrafterModel:
+    """A :class:`DrafterModel` holding ``tensors`` (keys = the checkpoint layout, already
+    shape-checked) cast to ``dtype`` on ``device``; with ``tensors=None`` the weights are left
+    uninitialised (the caller fills them)."""
+    with torch.device("meta"):
+        model = DrafterModel(config)
+    if tensors is None:
+        model.to_empty(device=device)
+        model.to(dtype=dtype)
+    else:
+        state = {name: t.to(device=device, dtype=dtype) for name, t in tensors.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    model.eval()
+    model.init_buffers()
+    return model
+
+
+def expected_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint layout with its shape, in the DeepSpec key names."""
+    d, v, hd = c.hidden_size, c.vocab_size, c.head_dim
+    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (v, d),
+        "fc.weight": (d, c.tap_width),
+        "hidden_norm.weight": (d,),
+        "norm.weight": (d,),
+        "lm_head.weight": (v, d),
+    }
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q_dim, d),
+            p + "self_attn.k_proj.weight": (kv_dim, d),
+            p + "self_attn.v_proj.weight": (kv_dim, d),
+            p + "self_attn.o_proj.weight": (d, q_dim),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, d),
+            p + "mlp.up_proj.weight": (c.intermediate_size, d),
+            p + "mlp.down_proj.weight": (d, c.intermediate_size),
+        })
+    r = c.markov_rank
+    if c.has_markov_head:
+        shapes["markov_head.markov_w1.weight"] = (v, r)
+        shapes["markov_head.markov_w2.weight"] = (v, r)
+        if c.markov_head_type == "gated":
+            shapes["markov_head.gate_proj.weight"] = (r, d + r)
+            shapes["markov_head.gate_proj.bias"] = (r,)
+        elif c.markov_head_type == "rnn":
+            shapes["markov_head.joint_proj.weight"] = (3 * r, 2 * r + d)
+            shapes["markov_head.joint_proj.bias"] = (3 * r,)
+    if c.enable_confidence_head:
+        shapes["confidence_head.proj.weight"] = (1, c.confidence_input_dim)
+        shapes["confidence_head.proj.bias"] = (1,)
+    return shapes
+
