@@ -1,0 +1,337 @@
+"""The worker's life: load, warm up, listen, serve, drain (docs/contract.md sections 8, 10-12).
+
+``WorkerApp`` puts the parts together: metrics server first (so ``/healthz`` answers 503 while
+the drafter loads), then the drafter and its ring pool, the runner, dispatch and the listeners;
+then the port file, which says the worker is listening and ready. ``stop()`` is the graceful
+shutdown of SIGTERM/SIGINT: stop accepting and reading, let every STEP already accepted finish
+and be answered, close the connections, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from protocol.constants import CAP_MARGIN, CAP_TAPS_BF16, CAP_TOP32
+
+from . import __version__
+from .buffers import BufferPool, pinned_factory
+from .config import WorkerConfig, frame_limit, parse_host_port
+from .dispatch import Dispatcher, WorkerInfo, rss_bytes
+from .metrics import Metrics
+from .runner import Runner
+from .server import MetricsServer, WorkerServer
+from .sessions import SessionTable
+
+log = logging.getLogger("dspark_worker")
+
+# How often idle sessions are looked for: a small fraction of the idle limit, at most 5 s.
+EXPIRY_SCAN_MAX_S = 5.0
+
+
+class StartupError(RuntimeError):
+    """The worker cannot start (a bad checkpoint, an unreadable secret, a port in use)."""
+
+
+def read_secret(path: str) -> bytes:
+    """The shared secret of section 11. Surrounding whitespace (a trailing newline from
+    ``echo > file`` or a Kubernetes secret) is not part of it."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes().strip()
+        mode = p.stat().st_mode
+    except OSError as exc:
+        raise StartupError(f"auth_secret_file {path!r}: {exc.strerror}") from None
+    if not raw:
+        raise StartupError(f"auth_secret_file {path!r} is empty")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("auth_secret_file %s can be read by group or others (mode %o)", path,
+                    stat.S_IMODE(mode))
+    return raw
+
+
+def resolve_device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_drafter_for(config: WorkerConfig) -> Any:
+    """Load and return the drafter the config names (slow: run it off the event loop)."""
+    import torch
+
+    from .drafter import load_drafter
+
+    device = resolve_device(config.device)
+    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    return load_drafter(config.checkpoint, target_checkpoint=config.target_checkpoint,
+                        device=device, dtype=dtype)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class WorkerApp:
+    """One worker: ``await start()``, then ``await stop()`` (or ``run()`` until a signal)."""
+
+    def __init__(self, config: WorkerConfig, *, drafter: Any = None,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.drafter = drafter
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = Metrics(self.registry)
+        self.ready = False
+        self.draining = False
+        self.metrics_server: MetricsServer | None = None
+        self.server: WorkerServer | None = None
+        self.runner: Runner | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.pool: Any = None
+        self.buffers: BufferPool | None = None
+        self._expiry_task: asyncio.Task[None] | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._stopped = False
+        self.failed = False  # the runner died: exit 1 so the worker is restarted
+        self.tcp_address: tuple[str, int] | None = None
+        self.unix_path: str | None = None
+        self.metrics_address: tuple[str, int] | None = None
+
+    # -- start --------------------------------------------------------------------------------
+    def health(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining"
+        if not self.ready:
+            return False, "loading"
+        return True, "ok"
+
+    def liveness(self) -> tuple[bool, str]:
+        return (False, "runner stopped") if self.failed else (True, "alive")
+
+    async def start(self) -> None:
+        c = self.config
+        loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        if c.metrics_listen:
+            self.metrics_server = MetricsServer(self.registry, self.health, self.liveness)
+            self.metrics_address = await self.metrics_server.start(
+                *parse_host_port(c.metrics_listen))
+            log.info("metrics on http://%s:%d/metrics (and /healthz)", *self.metrics_address)
+        secret = read_secret(c.auth_secret_file) if c.auth_secret_file else None
+        t0 = time.perf_counter()
+        if self.drafter is None:
+            log.info("loading drafter: %s on %s%s", c.checkpoint or "embedded default",
+                     c.device, f" ({resolve_device(c.device)})" if c.device == "auto" else "")
+            try:
+                self.drafter = await loop.run_in_executor(None, load_drafter_for, c)
+            except Exception as exc:
+                raise StartupError(f"cannot load the drafter ({c.checkpoint or 'embedded'}):"
+                                   f" {type(exc).__name__}: {exc}") from exc
+        d = self.drafter
+        device, dtype = str(d.device), _dtype_name(d.dtype)
+        log.info("drafter %s: drafter_identity %s markov_identity %s, device %s, dtype %s,"
+                 " N %d, row_bytes %d (%d taps x %d), vocab %d, loaded in %.2f s",
+                 getattr(d, "source", c.checkpoint or "embedded"), d.drafter_identity.hex(),
+                 d.markov_identity.hex(), device, dtype, d.num_spec, d.row_bytes, d.n_taps,
+                 d.target_hidden, d.vocab_size, time.perf_counter() - t0)
+        try:
+            self.pool = d.new_pool(c.max_total_slots, c.window)
+        except Exception as exc:
+            raise StartupError(f"cannot reserve the ring pool ({c.max_total_slots} slots of"
+                               f" W {c.window}): {type(exc).__name__}: {exc}") from exc
+        log.info("ring pool: %d slots x W %d = %.1f MiB (%d bytes per slot)", c.max_total_slots,
+                 c.window, self.pool.nbytes / 2**20, self.pool.bytes_per_lane)
+        self.metrics.window_memory.set(self.pool.nbytes)
+        if c.warmup:
+            t1 = time.perf_counter()
+            await loop.run_in_executor(None, d.warmup)
+            log.info("warmed up in %.2f s", time.perf_counter() - t1)
+
+        info = WorkerInfo(
+            worker_name=c.resolved_worker_name, drafter_identity=d.drafter_identity,
+            markov_identity=d.markov_identity, window=c.window, num_spec=d.num_spec,
+            row_bytes=d.row_bytes, vocab_size=d.vocab_size, n_taps=d.n_taps,
+            hidden=d.target_hidden, max_slots=c.max_slots,
+            max_rows_per_step=c.max_rows_per_step,
+            capabilities=CAP_TAPS_BF16 | CAP_MARGIN | CAP_TOP32,
+            bytes_per_slot=int(self.pool.bytes_per_lane), device=device, dtype=dtype,
+            version=__version__, limits=self._limits(d.row_bytes))
+        self.metrics.info.labels(version=__version__, worker_name=info.worker_name,
+                                 device=device, dtype=dtype,
+                                 drafter_identity=info.drafter_identity.hex(),
+                                 markov_identity=info.markov_identity.hex()).set(1)
+        table = SessionTable(max_sessions=c.max_sessions, lane_capacity=c.max_total_slots,
+                             idle_s=c.session_idle_s)
+        holder: dict[str, Dispatcher] = {}
+        self.runner = Runner(d, self.pool, window=c.window,
+                             complete=lambda item: holder["d"].complete(item),
+                             on_batch=lambda s, e: holder["d"].record_batch(s, e))
+        self.dispatcher = Dispatcher(info, table, self.runner, self.metrics, secret=secret,
+                                     shed_queue_steps=c.shed_queue_steps,
+                                     stats_extra=self._stats_extra)
+        holder["d"] = self.dispatcher
+        self.runner.start(on_death=self._runner_died)
+        factory = pinned_factory() if device.startswith("cuda") else bytearray
+        self.buffers = BufferPool(factory)
+        self.server = WorkerServer(self.dispatcher, self.metrics, self.buffers,
+                                   max_frame_bytes=frame_limit(c, d.row_bytes),
+                                   max_connections=c.max_connections,
+                                   partial_timeout_s=c.partial_frame_timeout_s)
+        try:
+            if c.listen:
+                self.tcp_address = await self.server.listen_tcp(*parse_host_port(c.listen))
+            if c.unix:
+                self.unix_path = await self.server.listen_unix(c.unix)
+        except OSError as exc:
+            raise StartupError(f"cannot listen: {exc}") from exc
+        self._expiry_task = loop.create_task(self._expire_loop(), name="dspark-expiry")
+        self.ready = True
+        self.metrics.ready.set(1)
+        if self.tcp_address:
+            log.info("listening on tcp://%s:%d", *self.tcp_address)
+        if self.unix_path:
+            log.info("listening on unix://%s", self.unix_path)
+        log.info("ready: worker %r, W %d, N %d, max_slots %d, max_rows_per_step %d,"
+                 " max_sessions %d, frame limit %d bytes%s", info.worker_name, c.window,
+                 d.num_spec, c.max_slots, c.max_rows_per_step, c.max_sessions,
+                 frame_limit(c, d.row_bytes), ", HELLO authentication on" if secret else "")
+        if c.port_file:
+            self._write_port_file(c.port_file)
+
+    def _runner_died(self, exc: BaseException) -> None:
+        """Nothing can be drafted any more: say so on /healthz and stop, so that the
+        orchestrator restarts the worker instead of leaving engines waiting on it."""
+        self.ready = False
+        self.failed = True
+        self.metrics.ready.set(0)
+        self.request_stop()
+
+    def _limits(self, row_bytes: int) -> dict[str, Any]:
+        c = self.config
+        return {"max_slots": c.max_slots, "max_rows_per_step": c.max_rows_per_step,
+                "max_sessions": c.max_sessions, "max_total_slots": c.max_total_slots,
+                "max_connections": c.max_connections,
+                "max_frame_bytes": frame_limit(c, row_bytes),
+                "session_idle_s": c.session_idle_s,
+                "partial_frame_timeout_s": c.partial_frame_timeout_s,
+                "shed_queue_steps": c.shed_queue_steps}
+
+    def _stats_extra(self) -> dict[str, Any]:
+        table = self.dispatcher.table if self.dispatcher else None
+        per_lane = int(self.pool.bytes_per_lane) if self.pool is not None else 0
+        device_bytes = None
+        d = self.drafter
+        if d is not None and str(d.device).startswith("cuda"):
+            import torch
+
+            device_bytes = int(torch.cuda.memory_allocated(d.device))
+        return {
+            "connections": len(self.server.connections) if self.server else 0,
+            "memory": {
+                "window_bytes": int(self.pool.nbytes) if self.pool is not None else 0,
+                "window_used_bytes": per_lane * (table.lanes_reserved if table else 0),
+                "window_bytes_per_slot": per_lane,
+                "receive_buffers_bytes": self.buffers.allocated_bytes if self.buffers else 0,
+                "rss_bytes": rss_bytes(),
+                "device_allocated_bytes": device_bytes,
+            },
+        }
+
+    def _write_port_file(self, path: str) -> None:
+        data = {
+            "listen": f"{self.tcp_address[0]}:{self.tcp_address[1]}" if self.tcp_address
+            else None,
+            "unix": self.unix_path,
+            "metrics": f"{self.metrics_address[0]}:{self.metrics_address[1]}"
+            if self.metrics_address else None,
+            "pid": os.getpid(),
+        }
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)  # readers never see half a file
+
+    async def _expire_loop(self) -> None:
+        interval = min(EXPIRY_SCAN_MAX_S, max(self.config.session_idle_s / 10, 0.05))
+        while True:
+            await asyncio.sleep(interval)
+            if self.dispatcher is not None:
+                self.dispatcher.expire_idle()
+
+    # -- run and stop -------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    async def run(self, install_signals: bool = True) -> int:
+        """Start, serve until SIGTERM/SIGINT (or ``request_stop``), drain; the exit code."""
+        loop = asyncio.get_running_loop()
+        await self.start()
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+        if self._stop_event is not None:
+            await self._stop_event.wait()
+        return await self.stop()
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stop_event is not None and self._stop_event.is_set():
+            log.warning("%s again: closing connections without waiting",
+                        signal.Signals(sig).name)
+            if self.server is not None:
+                for conn in list(self.server.connections.values()):
+                    conn.abort()
+            return
+        log.info("%s: shutting down", signal.Signals(sig).name)
+        self.request_stop()
+
+    async def stop(self) -> int:
+        """Graceful shutdown: stop accepting, answer every STEP already accepted (up to
+        shutdown_timeout_s), close. The exit code: 0, or 1 when the runner had died."""
+        if self._stopped:
+            return 0
+        self._stopped = True
+        self.draining = True
+        code = 0
+        if self.dispatcher is not None:
+            self.dispatcher.draining = True
+        self.metrics.ready.set(0)
+        if self.server is not None:
+            await self.server.stop_accepting()
+            busy = self.server.busy_connections()
+            if busy:
+                log.info("waiting for %d in-flight STEPs", busy)
+        if self.runner is not None and self.runner.alive:
+            try:
+                await asyncio.wait_for(self.runner.drain(), self.config.shutdown_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("in-flight STEPs did not finish in %.0f s; closing anyway",
+                            self.config.shutdown_timeout_s)
+        if self.server is not None:
+            await self.server.close_all()
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry_task
+        if self.runner is not None:
+            await self.runner.stop()
+        if self.dispatcher is not None:
+            log.info("stopped: %d sessions held at exit, %d STEPs served",
+                     len(self.dispatcher.table), self.metrics.totals["steps"])
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+        if self.buffers is not None:
+            self.buffers.clear()
+        return 1 if self.failed else code

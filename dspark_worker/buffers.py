@@ -1,0 +1,80 @@
+"""Receive buffers for frame bodies (docs/contract.md 7.3; DRAFTER.md "What makes it fast").
+
+``FrameDecoder`` asks ``BufferPool.alloc(n)`` for the storage of each frame body and receives
+the body straight into it, so a large rows region is never assembled from chunks. Large bodies
+come from power-of-two size classes that are reused once their frame is answered; on CUDA the
+factory hands out pinned host memory so the rows' host-to-device copy can be asynchronous.
+Small bodies (HELLO, PING, RESET, a STEP of a few entries) are plain ``bytearray``s: malloc of a
+few KiB is cheaper than any bookkeeping. Loop thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+Storage = bytearray | memoryview
+
+# Bodies below this are plain bytearrays; at and above it they come from the pool.
+POOLED_MIN_BYTES: Final = 64 << 10
+# Idle buffers kept per size class: a few connections' worth of concurrent large STEPs.
+MAX_IDLE_PER_CLASS: Final = 4
+
+
+def _size_class(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
+
+
+class BufferPool:
+    """Reusable bodies by power-of-two size class, at most ``max_idle_bytes`` kept idle."""
+
+    def __init__(self, factory: Callable[[int], Storage] = bytearray, *,
+                 max_idle_bytes: int = 1 << 30) -> None:
+        self._factory = factory
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: dict[int, list[Storage]] = {}
+        self.idle_bytes = 0
+        self.allocated_bytes = 0  # ever created by the factory, for STATS
+        self.hits = 0
+        self.misses = 0
+
+    def alloc(self, n: int) -> Storage:
+        if n < POOLED_MIN_BYTES:
+            return bytearray(n)
+        size = _size_class(n)
+        idle = self._idle.get(size)
+        if idle:
+            self.hits += 1
+            self.idle_bytes -= size
+            return idle.pop()
+        self.misses += 1
+        self.allocated_bytes += size
+        return self._factory(size)
+
+    def release(self, storage: Storage | None) -> None:
+        """Return a body's storage; the caller holds no view of it any more."""
+        if storage is None:
+            return
+        size = len(storage)
+        if size < POOLED_MIN_BYTES or size & (size - 1):
+            return  # a plain small bytearray: the garbage collector has it
+        idle = self._idle.setdefault(size, [])
+        if len(idle) >= MAX_IDLE_PER_CLASS or self.idle_bytes + size > self.max_idle_bytes:
+            return
+        idle.append(storage)
+        self.idle_bytes += size
+
+    def clear(self) -> None:
+        self._idle.clear()
+        self.idle_bytes = 0
+
+
+def pinned_factory() -> Callable[[int], Storage]:
+    """Page-locked host buffers (CUDA): a receive lands where a DMA copy can read it."""
+    import torch
+
+    def alloc(n: int) -> Storage:
+        t = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        return t.numpy().data  # a memoryview of the array, which keeps the tensor alive
+
+    return alloc

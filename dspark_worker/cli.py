@@ -1,0 +1,188 @@
+"""``dspark-worker``: command line, logging, uvloop, start (docs/contract.md sections 2, 11).
+
+Every ``WorkerConfig`` field is a flag (``max_slots`` -> ``--max-slots``) and a key of the
+``--config`` TOML file; flags given on the command line override the file. Exit codes: 0 after a
+graceful shutdown (SIGTERM, SIGINT), 2 for a bad option or config file, 1 when the worker cannot
+start (drafter, secret, port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any, Final
+
+from . import __version__
+from .config import (
+    DEFAULT_LISTEN,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_ROWS_PER_STEP,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_SLOTS,
+    DEFAULT_MAX_TOTAL_SLOTS,
+    DEFAULT_METRICS_LISTEN,
+    DEFAULT_PARTIAL_FRAME_TIMEOUT_S,
+    DEFAULT_SESSION_IDLE_S,
+    DEFAULT_SHED_QUEUE_STEPS,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_WINDOW,
+    DEVICES,
+    DTYPES,
+    LOG_LEVELS,
+    ConfigError,
+    WorkerConfig,
+    build_config,
+)
+
+log = logging.getLogger("dspark_worker")
+
+# (field, metavar, type, help). One row per WorkerConfig field; a test checks the two agree.
+OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
+    ("checkpoint", "DIR", str,
+     "DeepSpec-layout drafter checkpoint folder (config.json + safetensors). Default: the"
+     " embedded tiny model, for trying the worker and for tests."),
+    ("target_checkpoint", "DIR", str,
+     "target model checkpoint to read embed_tokens / lm_head from when the drafter"
+     " checkpoint lacks them."),
+    ("device", "DEV", str,
+     f"where the drafter runs: {', '.join(DEVICES)} or cuda:N. auto = cuda if available,"
+     " else cpu. Default: auto."),
+    ("dtype", "DTYPE", str,
+     f"drafter weights and rings: {', '.join(DTYPES)}. auto = bfloat16 on CUDA, float32 on"
+     " CPU. Default: auto."),
+    ("window", "W", int,
+     f"rows of context kept per slot (W, section 8); the client's HELLO must name the same."
+     f" Memory is max_total_slots x W x per-row K/V bytes. Default: {DEFAULT_WINDOW}."),
+    ("max_slots", "N", int,
+     f"most slots one session may declare in its HELLO (else ST_LIMITS). Default:"
+     f" {DEFAULT_MAX_SLOTS}."),
+    ("max_rows_per_step", "N", int,
+     f"most tap rows one STEP may carry (else ST_LIMITS at HELLO). Default:"
+     f" {DEFAULT_MAX_ROWS_PER_STEP}."),
+    ("max_sessions", "N", int,
+     f"most sessions held at once; a HELLO over it gets ST_BUSY. Default:"
+     f" {DEFAULT_MAX_SESSIONS}."),
+    ("max_total_slots", "N", int,
+     f"window rings reserved at start for all sessions together; a HELLO whose max_slots"
+     f" does not fit in what is free gets ST_BUSY. Default: {DEFAULT_MAX_TOTAL_SLOTS}."),
+    ("max_connections", "N", int,
+     f"open connections; more are closed at once. Default: {DEFAULT_MAX_CONNECTIONS}."),
+    ("max_frame_bytes", "BYTES", int,
+     "largest frame body accepted; a larger one gets ST_BAD_FRAME and the connection is"
+     " closed. Default: 0 = the largest legal STEP (max_slots entries, max_rows_per_step"
+     " rows)."),
+    ("session_idle_s", "SECONDS", float,
+     f"a session with no frame for this long is dropped with its windows. Default:"
+     f" {DEFAULT_SESSION_IDLE_S:g}."),
+    ("partial_frame_timeout_s", "SECONDS", float,
+     f"a frame begun and not finished within this time closes its connection. Default:"
+     f" {DEFAULT_PARTIAL_FRAME_TIMEOUT_S:g}."),
+    ("shed_queue_steps", "N", int,
+     f"STEPs waiting for the device above which new STEPs apply their rows but skip"
+     f" drafting (RS_SHED). Default: {DEFAULT_SHED_QUEUE_STEPS}."),
+    ("shutdown_timeout_s", "SECONDS", float,
+     f"on SIGTERM, how long in-flight STEPs may take before connections are closed anyway."
+     f" Default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g}."),
+    ("listen", "HOST:PORT", str,
+     f"TCP address to serve on ('none' for Unix only; port 0 picks one, see --port-file)."
+     f" Default: {DEFAULT_LISTEN}."),
+    ("unix", "PATH", str, "also (or only) serve on this Unix socket path."),
+    ("metrics_listen", "HOST:PORT", str,
+     f"HTTP address for /metrics (Prometheus) and /healthz ('none' to turn it off)."
+     f" Default: {DEFAULT_METRICS_LISTEN}."),
+    ("worker_name", "NAME", str,
+     "name in HelloReply, STATS and metrics (at most 32 UTF-8 bytes). Default:"
+     " dspark@<hostname>."),
+    ("auth_secret_file", "PATH", str,
+     "file holding the shared secret for HELLO authentication (HMAC-SHA256, section 11);"
+     " surrounding whitespace is ignored. Default: no authentication."),
+    ("port_file", "PATH", str,
+     'once listening and ready, write {"listen": "host:port", "unix": path or null,'
+     ' "metrics": "host:port" or null, "pid": int} as JSON to this file.'),
+    ("log_level", "LEVEL", str, f"{', '.join(LOG_LEVELS)}. Default: INFO."),
+    ("warmup", "BOOL", None,
+     "run one ingest and draft before serving (--no-warmup skips it). Default: on."),
+]
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dspark-worker",
+        description="Serve DSpark speculative-decoding drafts to serving engines over TCP and"
+                    " Unix sockets (the wire contract: docs/contract.md). With no arguments it"
+                    f" serves the embedded tiny drafter on {DEFAULT_LISTEN}.",
+        epilog="Every option can also be set in the --config TOML file under its name with"
+               " underscores (max_slots = 128); flags override the file. SIGTERM or SIGINT"
+               " drains in-flight STEPs and exits 0.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML file with any of the options below (flags override it).")
+    for field, metavar, typ, text in OPTIONS:
+        if typ is None:
+            p.add_argument(_flag(field), dest=field, action=argparse.BooleanOptionalAction,
+                           default=None, help=text)
+        else:
+            p.add_argument(_flag(field), dest=field, metavar=metavar, type=typ, default=None,
+                           help=text)
+    p.add_argument("--version", action="version", version=f"dspark-worker {__version__}")
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> WorkerConfig:
+    """argv -> WorkerConfig; exits 2 with a message naming field and value on a bad one."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    overrides = {field: getattr(args, field) for field in WorkerConfig.__struct_fields__}
+    try:
+        return build_config(args.config, overrides)
+    except ConfigError as exc:
+        parser.exit(2, f"dspark-worker: error: {exc}\n")
+        raise  # pragma: no cover - exit raises
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr,
+        format="%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S")
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(argv)
+    setup_logging(config.log_level)
+    from .app import StartupError, WorkerApp
+
+    async def _run() -> int:
+        return await WorkerApp(config).run()
+
+    log.info("dspark-worker %s starting (pid %d)", __version__, _pid())
+    try:
+        code = _event_loop_run(_run())
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(1)
+    except KeyboardInterrupt:  # a second ^C before the handlers were installed
+        code = 0
+    sys.exit(code)
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _event_loop_run(coro: Any) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency of the worker extra
+        log.warning("uvloop is not installed; running on the default asyncio loop")
+        return int(asyncio.run(coro))
+    return int(uvloop.run(coro))

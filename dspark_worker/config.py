@@ -1,0 +1,270 @@
+"""The worker's configuration: one frozen type, its defaults and limits, and how a TOML file and
+command-line flags become one validated value (docs/contract.md section 11, limits).
+
+Precedence: built-in defaults < the ``--config`` TOML file < command-line flags. Every field of
+:class:`WorkerConfig` can be set from the file under its own name (``max_slots = 128``) and from
+the command line as ``--max-slots 128``. A bad value is refused with a :class:`ConfigError` that
+names the field and the value (``max_slots: 0 is not a positive integer``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import socket
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import msgspec.toml
+
+# -- limits: each a named default with the reason for its size ----------------------------------
+# Loopback only unless told otherwise (section 11); 7600/7601 are the engines' default endpoints.
+DEFAULT_LISTEN: Final = "127.0.0.1:7600"
+DEFAULT_METRICS_LISTEN: Final = "127.0.0.1:7601"
+# W: 1024 rows cover the recent context that a block of N <= 16 drafts attends to in practice,
+# keep one slot's ring at ~20 MiB for Qwen3-4B shapes (bf16 K/V of 5 layers) and a full resync
+# of one slot at 1024 * 25.6 KiB = 25 MiB on the wire. The client's HELLO must name the same W.
+DEFAULT_WINDOW: Final = 1024
+# Slots one session may use: vLLM's default max_num_seqs is 256.
+DEFAULT_MAX_SLOTS: Final = 256
+# Rows one STEP may carry: a resync of four full windows, 105 MB at Qwen3-4B's 25.6 KiB rows.
+DEFAULT_MAX_ROWS_PER_STEP: Final = 4096
+# Sessions held at once: bounds the bookkeeping and the STATS reply, not memory (lanes do that).
+DEFAULT_MAX_SESSIONS: Final = 64
+# Window rings reserved at start for all sessions together (section 8): two engines of 256 slots.
+# The ring memory is max_total_slots * W * (per-position K/V bytes); it is logged at start.
+DEFAULT_MAX_TOTAL_SLOTS: Final = 512
+# Open connections: an engine holds one per rank-0 process; more is a leak or a flood.
+DEFAULT_MAX_CONNECTIONS: Final = 256
+# 6.2: a session with no frame for this long is dropped with its windows.
+DEFAULT_SESSION_IDLE_S: Final = 600.0
+# A frame whose first byte arrived this long ago and whose last has not: the peer stalled or is
+# a slowloris; the largest legal frame (~100 MB) crosses a 1 Gb/s link in under a second.
+DEFAULT_PARTIAL_FRAME_TIMEOUT_S: Final = 30.0
+# STEPs waiting for the device above which new STEPs apply their rows but skip drafting
+# (RS_SHED): each waiting STEP adds its drafting to everyone's next batch, and past this depth a
+# late draft is worth less to the engine than a target-only round now.
+DEFAULT_SHED_QUEUE_STEPS: Final = 32
+# SIGTERM: how long in-flight STEPs may take to finish before connections are closed anyway.
+DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
+# Frames received on one connection and not yet answered before the worker stops reading from
+# it: the contract allows one in flight, so more is a misbehaving client; bounds its memory.
+MAX_PENDING_FRAMES_PER_CONNECTION: Final = 4
+# Bodies of frames other than STEP (HELLO 200 B, RESET 4 + 4 * slots) never need more.
+MIN_FRAME_BYTES: Final = 64 << 10
+
+LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEVICES: Final = ("auto", "cpu", "cuda")
+DTYPES: Final = ("auto", "float32", "bfloat16", "float16")
+NAME_BYTES: Final = 32  # worker_name in HelloReply: UTF-8, NUL padded
+
+
+class ConfigError(ValueError):
+    """A configuration value is refused; ``field`` and ``value`` say which."""
+
+    def __init__(self, message: str, *, field: str | None = None, value: object = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+
+
+def default_worker_name() -> str:
+    """``dspark@<host>``, cut to the 32 UTF-8 bytes HelloReply carries."""
+    name = f"dspark@{socket.gethostname()}"
+    raw = name.encode("utf-8")[:NAME_BYTES]
+    return raw.decode("utf-8", errors="ignore")
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything the worker is told. Field docs are the ``--help`` texts (cli.OPTIONS)."""
+
+    checkpoint: str | None = None
+    target_checkpoint: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    window: int = DEFAULT_WINDOW
+    max_slots: int = DEFAULT_MAX_SLOTS
+    max_rows_per_step: int = DEFAULT_MAX_ROWS_PER_STEP
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_total_slots: int = DEFAULT_MAX_TOTAL_SLOTS
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_frame_bytes: int = 0  # 0: the largest legal STEP for max_slots and max_rows_per_step
+    session_idle_s: float = DEFAULT_SESSION_IDLE_S
+    partial_frame_timeout_s: float = DEFAULT_PARTIAL_FRAME_TIMEOUT_S
+    shed_queue_steps: int = DEFAULT_SHED_QUEUE_STEPS
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    listen: str | None = DEFAULT_LISTEN
+    unix: str | None = None
+    metrics_listen: str | None = DEFAULT_METRICS_LISTEN
+    worker_name: str = ""  # "": default_worker_name()
+    auth_secret_file: str | None = None
+    port_file: str | None = None
+    log_level: str = "INFO"
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        problems = _problems(self)
+        if problems:
+            field, value, why = problems[0]
+            raise ConfigError(f"{field}: {value!r} {why}", field=field, value=value)
+
+    @property
+    def resolved_worker_name(self) -> str:
+        return self.worker_name or default_worker_name()
+
+
+def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
+    out: list[tuple[str, object, str]] = []
+
+    def positive_int(field: str, upper: int | None = None) -> None:
+        v = getattr(c, field)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            out.append((field, v, "is not a positive integer"))
+        elif upper is not None and v > upper:
+            out.append((field, v, f"is over {upper} (the wire field's range)"))
+
+    def positive_seconds(field: str) -> None:
+        v = getattr(c, field)
+        if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+            out.append((field, v, "is not a positive, finite number of seconds"))
+
+    positive_int("window", 0xFFFF)  # u16 in HELLO
+    positive_int("max_slots", 0xFFFFFFFF)
+    positive_int("max_rows_per_step", 0xFFFFFFFF)
+    positive_int("max_sessions")
+    positive_int("max_total_slots")
+    positive_int("max_connections")
+    positive_int("shed_queue_steps")
+    if isinstance(c.max_frame_bytes, bool) or c.max_frame_bytes < 0:
+        out.append(("max_frame_bytes", c.max_frame_bytes, "is negative (0 means automatic)"))
+    elif 0 < c.max_frame_bytes < MIN_FRAME_BYTES:
+        out.append(("max_frame_bytes", c.max_frame_bytes,
+                    f"is below {MIN_FRAME_BYTES} bytes, too small for the frames of section 4"))
+    positive_seconds("session_idle_s")
+    positive_seconds("partial_frame_timeout_s")
+    positive_seconds("shutdown_timeout_s")
+    if c.device not in DEVICES and not c.device.startswith("cuda:"):
+        out.append(("device", c.device, f"is not one of {', '.join(DEVICES)} or cuda:N"))
+    if c.dtype not in DTYPES:
+        out.append(("dtype", c.dtype, f"is not one of {', '.join(DTYPES)}"))
+    if c.log_level.upper() not in LOG_LEVELS:
+        out.append(("log_level", c.log_level, f"is not one of {', '.join(LOG_LEVELS)}"))
+    if not c.listen and not c.unix:
+        out.append(("listen", c.listen, "and unix are both unset: the worker would not listen"))
+    for field in ("listen", "metrics_listen"):
+        v = getattr(c, field)
+        if v:
+            try:
+                parse_host_port(v)
+            except ValueError as exc:
+                out.append((field, v, str(exc)))
+    raw = c.worker_name.encode("utf-8")
+    if len(raw) > NAME_BYTES or "\0" in c.worker_name:
+        out.append(("worker_name", c.worker_name,
+                    f"is not at most {NAME_BYTES} UTF-8 bytes without NUL"))
+    return out
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``host:port`` (``[::1]:port`` for IPv6) into (host, port); port 0 picks a free one."""
+    host, sep, port_s = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError("is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ValueError(f"has port {port_s!r}, not a number") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"has port {port} outside 0..65535")
+    return host, port
+
+
+_NONE_WORDS = frozenset({"", "none", "off"})
+
+
+def _normalise(values: dict[str, Any]) -> dict[str, Any]:
+    """``listen = "none"`` (or "off", "") turns an optional listener off."""
+    out = dict(values)
+    for field in ("listen", "metrics_listen", "unix"):
+        v = out.get(field)
+        if isinstance(v, str) and v.strip().lower() in _NONE_WORDS:
+            out[field] = None
+    return out
+
+
+def _convert(values: dict[str, Any], source: str) -> WorkerConfig:
+    values = _normalise(values)
+    try:
+        return msgspec.convert(values, WorkerConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if "`$." in text:
+            # a type error: msgspec says "Expected `int`, got `str` - at `$.max_slots`"
+            field = text.rsplit("`$.", 1)[1].rstrip("`")
+            what = text.split(" - at ")[0]
+            value = values.get(field)
+            raise ConfigError(f"{source}: {field}: {value!r}: {what}", field=field,
+                              value=value) from None
+        # a rule of _problems (msgspec re-raises __post_init__ errors with their message)
+        field = text.split(":", 1)[0]
+        if field in WorkerConfig.__struct_fields__:
+            value = values.get(field, getattr(WorkerConfig(), field, None))
+            raise ConfigError(f"{source}: {text}", field=field, value=value) from None
+        raise ConfigError(f"{source}: {text}") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The TOML file's table (checked against the field names, values converted later)."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config file {str(p)!r}: {exc.strerror}", field="config",
+                          value=str(p)) from None
+    try:
+        table = msgspec.toml.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"config file {str(p)!r}: not valid TOML: {exc}", field="config",
+                          value=str(p)) from None
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {str(p)!r} is not a TOML table")
+    known = set(WorkerConfig.__struct_fields__)
+    for key in table:
+        if key not in known:
+            close = difflib.get_close_matches(key.replace("-", "_"), sorted(known), n=1)
+            extra = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"config file {str(p)!r}: unknown field {key!r} ="
+                              f" {table[key]!r}{extra}", field=key, value=table[key])
+    return dict(table)
+
+
+def build_config(file: str | Path | None = None,
+                 overrides: dict[str, Any] | None = None) -> WorkerConfig:
+    """Defaults, then the file's values, then ``overrides`` (flags given on the command line;
+    a ``None`` value means "not given")."""
+    values: dict[str, Any] = {}
+    source = "defaults"
+    if file is not None:
+        values.update(read_config_file(file))
+        source = f"config file {str(file)!r}"
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if given:
+        values.update(given)
+        source = "command line" if file is None else f"{source} and command line"
+    return _convert(values, source)
+
+
+def max_step_body_bytes(max_slots: int, max_rows_per_step: int, row_bytes: int) -> int:
+    """The largest STEP body legal under these limits (7.3): header, entries, rows."""
+    return 32 + 48 * max_slots + max_rows_per_step * row_bytes
+
+
+def frame_limit(config: WorkerConfig, row_bytes: int) -> int:
+    """The frame body limit in force: configured, or the largest legal STEP."""
+    if config.max_frame_bytes:
+        return config.max_frame_bytes
+    return max(MIN_FRAME_BYTES,
+               max_step_body_bytes(config.max_slots, config.max_rows_per_step, row_bytes))

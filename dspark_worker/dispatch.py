@@ -1,0 +1,560 @@
+"""Op -> handler, and the one place where an exception becomes a frame status (docs/contract.md
+sections 3-7, 10, 11).
+
+``Dispatcher.handle`` takes one whole frame from a connection and returns the reply frame, or
+``None`` when the frame is a STEP handed to the runner (its reply comes through ``complete``).
+Every refusal is raised as a ``protocol.errors.WireError`` subclass by whatever finds it, and
+turned into its status in ``handle`` (or ``complete`` for ST_INTERNAL): nothing else in the
+worker maps errors to statuses. A refused frame changes no state: handlers check everything
+before they commit anything.
+
+What each op does:
+
+* HELLO (6.1, 6.2): refusals in the order version, auth, identities, geometry, limits, then the
+  session table (seq of a reconnect, capacity: ST_BUSY). The reply always carries the worker's
+  HelloReply, on a refusal too.
+* STEP (7.2): session and seq, decode, shape, generations (host side, on arrival), then the
+  runner applies rows and drafts.
+* PING (10): answered at once, with or without a session.
+* STATS (10): the JSON below, with or without a session.
+* RESET (10): the listed slots' windows (count 0: all) are dropped, in order with the STEPs.
+
+STATS JSON (UTF-8 object; fields are only ever added)::
+
+    {
+      "worker_name": str, "version": str, "contract_version": 1,
+      "uptime_s": float, "ready": bool, "draining": bool,
+      "device": str, "dtype": str,
+      "geometry": {"window": W, "num_spec": N, "row_bytes": int, "vocab_size": int,
+                   "n_taps": int, "hidden": int, "capabilities": int},
+      "drafter_identity": hex, "markov_identity": hex,
+      "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
+                 "max_connections", "max_frame_bytes", "session_idle_s",
+                 "partial_frame_timeout_s", "shed_queue_steps"},
+      "connections": int, "queue_steps": int,
+      "sessions": [{"session": int, "client_name": str, "sample_mode": "greedy" | "top32",
+                    "max_slots": int, "slots_in_use": int, "connected": bool,
+                    "age_s": float, "idle_s": float, "steps": int, "rows": int,
+                    "drafted_positions": int}],
+      "totals": {"frames", "steps", "rows", "drafted_positions", "received_bytes",
+                 "sent_bytes", "batches": int,
+                 "refusals": {"<OP>:<STATUS>": int},
+                 "request_status": {"OK" | "PARTIAL_WINDOW" | ...: int},
+                 "sessions_dropped": {"replaced" | "recreated" | "expired" | ...: int}},
+      "latency_us": {"decode" | "queue" | "apply" | "draft" | "encode" | "step":
+                     {"count": int, "p50_us", "p90_us", "p99_us", "max_us": float}},
+      "memory": {"window_bytes": int, "window_used_bytes": int, "window_bytes_per_slot": int,
+                 "receive_buffers_bytes": int, "rss_bytes": int,
+                 "device_allocated_bytes": int | null}
+    }
+
+Latency quantiles are over the last 2048 samples of each stage; ``step`` is the time from a
+STEP's last byte to its reply (the ``worker_us`` of 7.4).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import numpy as np
+
+from protocol.auth import verify_hello
+from protocol.constants import (
+    APP_HEADER_SIZE,
+    FRAME_STATUS_NAMES,
+    IDENTITY_BYTES,
+    OP_HELLO,
+    OP_PING,
+    OP_RESET,
+    OP_STATS,
+    OP_STEP,
+    REQ_STATUS_NAMES,
+    RF_NEED_DRAFT,
+    SAMPLE_GREEDY,
+    SAMPLE_MODE_NAMES,
+    SAMPLE_TOP32,
+    ST_INTERNAL,
+    ST_NO_SESSION,
+    ST_OK,
+    ST_VERSION,
+    TAP_DTYPE_BYTES,
+    TAPS_BF16,
+    VERSION,
+)
+from protocol.errors import (
+    AuthError,
+    BadFrameError,
+    FrameTooLargeError,
+    GeometryError,
+    IdentityError,
+    InternalError,
+    LimitsError,
+    VersionError,
+    WireError,
+)
+from protocol.framing import Frame, frame
+from protocol.header import AppHeader
+from protocol.messages import Hello, HelloReply, decode_reset, decode_step
+from protocol.validate import check_step_shape
+
+from .metrics import Metrics
+from .runner import LaneOp, Runner, StepItem, reply_bytes
+from .sessions import DropReason, Outcome, Session, SessionTable, plan_step
+
+log = logging.getLogger(__name__)
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Conn(Protocol):
+    """What dispatch needs of a connection (server.Connection implements it)."""
+
+    conn_id: int
+    peer: str
+
+    def reply_buffer(self, nbytes: int) -> bytearray: ...
+
+    def complete(self, data: Buffer, close: bool = False) -> None: ...
+
+    def release_storage(self, storage: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The worker's own values: what HelloReply carries and HELLOs are checked against."""
+
+    worker_name: str
+    drafter_identity: bytes
+    markov_identity: bytes
+    window: int
+    num_spec: int
+    row_bytes: int
+    vocab_size: int
+    n_taps: int
+    hidden: int
+    max_slots: int
+    max_rows_per_step: int
+    capabilities: int
+    sample_modes: frozenset[int] = frozenset({SAMPLE_GREEDY, SAMPLE_TOP32})
+    bytes_per_slot: int = 0  # ring memory of one slot (window_memory_used_bytes)
+    device: str = "cpu"
+    dtype: str = "float32"
+    version: str = "0"
+    limits: dict[str, Any] = field(default_factory=dict)
+
+    def hello_reply(self, resumed: bool = False) -> HelloReply:
+        return HelloReply(
+            capabilities=self.capabilities, window=self.window, num_spec=self.num_spec,
+            max_slots=self.max_slots, max_rows_per_step=self.max_rows_per_step,
+            row_bytes=self.row_bytes, vocab_size=self.vocab_size,
+            drafter_identity=self.drafter_identity, markov_identity=self.markov_identity,
+            worker_name=self.worker_name, resumed=int(resumed), version=VERSION)
+
+
+class Reply:
+    """A reply frame to write now; ``close``: close the connection once it is written."""
+
+    __slots__ = ("close", "data")
+
+    def __init__(self, data: Buffer, close: bool = False) -> None:
+        self.data = data
+        self.close = close
+
+
+class RateLimitedLog:
+    """One warning per key per ``interval_s``, counting the ones held back: a flood of bad
+    frames must not become a flood of log lines."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self._log = logger
+        self._interval = interval_s
+        self._last: dict[Any, tuple[float, int]] = {}
+
+    def warning(self, key: Any, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        last, held = self._last.get(key, (-1e18, 0))
+        if now - last < self._interval:
+            self._last[key] = (last, held + 1)
+            return
+        if held:
+            msg += f" ({held} more like it in the last {self._interval:.0f} s)"
+        self._last[key] = (now, 0)
+        if len(self._last) > 4096:  # keys include peers: keep the map bounded
+            self._last.clear()
+        self._log.warning(msg, *args)
+
+
+def _hex8(b: bytes) -> str:
+    return b.hex()[:16]
+
+
+class Dispatcher:
+    """Frames in, replies out; owns the session table."""
+
+    def __init__(self, info: WorkerInfo, table: SessionTable, runner: Runner, metrics: Metrics,
+                 *, secret: bytes | None = None, shed_queue_steps: int = 32,
+                 stats_extra: Callable[[], dict[str, Any]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.info = info
+        self.table = table
+        self.runner = runner
+        self.metrics = metrics
+        self.secret = secret
+        self.shed_queue_steps = shed_queue_steps
+        self.stats_extra = stats_extra
+        self.clock = clock
+        self.started = clock()
+        self.draining = False
+        self.ready = True
+        self.connected: Callable[[int], bool] = lambda conn_id: True
+        self._handlers: dict[int, Callable[[Conn, Frame, float], Reply | None]] = {
+            OP_HELLO: self._hello,
+            OP_STEP: self._step,
+            OP_PING: self._ping,
+            OP_STATS: self._stats,
+            OP_RESET: self._reset,
+        }
+        self._refusal_log = RateLimitedLog(log)
+        self._dropped_counts: dict[str, int] = {}
+        self._req_counts = np.zeros(max(REQ_STATUS_NAMES) + 1, dtype=np.int64)
+        self._hello_reply_ok: dict[bool, bytes] = {}
+
+    # -- the boundary -----------------------------------------------------------------------------
+    def handle(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply | None:
+        """Answer one frame. Returns None when a STEP went to the runner."""
+        h = fr.header
+        self.metrics.received(APP_HEADER_SIZE + h.body_len)
+        try:
+            if h.version != VERSION:
+                raise VersionError(f"contract version {h.version} is not spoken; this worker"
+                                   f" speaks {VERSION}", field="version", value=h.version,
+                                   limit=VERSION)
+            if h.status != 0:
+                raise BadFrameError(f"request carries status {h.status}; requests carry 0",
+                                    field="status", value=h.status, limit=0)
+            handler = self._handlers.get(h.op)
+            if handler is None:
+                raise BadFrameError(f"unknown op {h.op}", field="op", value=h.op)
+            return handler(conn, fr, t_arrival)
+        except WireError as exc:
+            return self._refuse(conn, h, exc)
+        except Exception as exc:
+            # A bug, not a bad frame: the session it touched may be half changed, so drop it.
+            log.exception("%s seq %d from %s failed", h.op_name, h.seq, conn.peer)
+            s = self.table.get(h.session)
+            if s is not None and s.conn_id == conn.conn_id and h.op != OP_PING:
+                self._drop(s, DropReason.INTERNAL, f"{type(exc).__name__} in {h.op_name}")
+            return self._refuse(conn, h, InternalError(f"{type(exc).__name__}: {exc}"))
+
+    def refuse_too_large(self, conn: Conn, h: AppHeader, exc: FrameTooLargeError) -> Reply:
+        """A header whose body_len is over the frame limit: ST_BAD_FRAME, then close."""
+        return self._refuse(conn, h, exc)
+
+    def _refuse(self, conn: Conn, h: AppHeader, exc: WireError) -> Reply:
+        status = exc.status
+        close = status == ST_VERSION or isinstance(exc, FrameTooLargeError)
+        body: bytes = b""
+        if h.op == OP_HELLO:
+            body = self.info.hello_reply().pack()
+            self.metrics.hello_refusals.labels(status=FRAME_STATUS_NAMES[status]).inc()
+        self.metrics.frame(h.op, status)
+        key = (conn.peer, h.op, status)
+        self._refusal_log.warning(key, "%s seq %d session %#010x from %s refused %s: %s%s",
+                                  h.op_name, h.seq, h.session, conn.peer,
+                                  FRAME_STATUS_NAMES[status], exc,
+                                  "; closing the connection" if close else "")
+        return Reply(self._frame(h, status, body), close=close)
+
+    @staticmethod
+    def _frame(h: AppHeader, status: int, body: Buffer = b"") -> bytes:
+        return frame(h.op, h.seq, h.session, body, status=status)
+
+    def _ok(self, h: AppHeader, body: Buffer = b"") -> Reply:
+        self.metrics.frame(h.op, ST_OK)
+        return Reply(self._frame(h, ST_OK, body))
+
+    # -- HELLO (6.1, 6.2) -------------------------------------------------------------------------
+    def _hello(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
+        h = fr.header
+        hello = Hello.unpack(fr.body)
+        if h.session == 0:
+            raise BadFrameError("HELLO for session 0; a session is a nonzero u32",
+                                field="session", value=0)
+        if hello.version != VERSION:
+            raise VersionError(f"HELLO version {hello.version} is not spoken; this worker"
+                               f" speaks {VERSION}", field="version", value=hello.version,
+                               limit=VERSION)
+        if not verify_hello(self.secret, h.session, h.seq, hello):
+            raise AuthError("HELLO authentication tag does not verify", field="auth_tag")
+        self._check_identities(hello)
+        self._check_geometry(hello)
+        self._check_limits(hello)
+        result = self.table.hello(h.session, h.seq, hello, conn.conn_id, self.clock())
+        for s, reason in result.dropped:
+            self._dropped(s, reason, f"by session {h.session:#010x} from {conn.peer}")
+        s = result.session
+        if result.outcome is not Outcome.RESUMED:
+            self.runner.submit(LaneOp("allocate", s))
+        log.info("session %#010x %s: client %r from %s, %d slots, %s, seq %d",
+                 s.session_id, result.outcome.value, s.client_name, conn.peer, s.max_slots,
+                 SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"), h.seq)
+        self._gauges()
+        resumed = result.outcome is Outcome.RESUMED
+        body = self._hello_reply_ok.get(resumed)
+        if body is None:
+            body = self._hello_reply_ok[resumed] = self.info.hello_reply(resumed).pack()
+        return self._ok(h, body)
+
+    def _check_identities(self, hello: Hello) -> None:
+        i = self.info
+        for name, theirs, ours in (("drafter_identity", hello.drafter_identity,
+                                    i.drafter_identity),
+                                   ("markov_identity", hello.markov_identity, i.markov_identity)):
+            if len(theirs) != IDENTITY_BYTES or theirs != ours:
+                raise IdentityError(f"HELLO {name} {_hex8(theirs)}... is not the worker's"
+                                    f" {_hex8(ours)}...", field=name, value=theirs.hex(),
+                                    limit=ours.hex())
+
+    def _check_geometry(self, hello: Hello) -> None:
+        i = self.info
+        checks: list[tuple[str, int, int]] = [
+            ("window", hello.window, i.window),
+            ("num_spec", hello.num_spec, i.num_spec),
+            ("row_bytes", hello.row_bytes, i.row_bytes),
+            ("vocab_size", hello.vocab_size, i.vocab_size),
+            ("tap_dtype", hello.tap_dtype, TAPS_BF16),
+            ("n_taps", hello.n_taps, i.n_taps),
+            ("hidden", hello.hidden, i.hidden),
+        ]
+        for name, theirs, ours in checks:
+            if theirs != ours:
+                raise GeometryError(f"HELLO {name} {theirs} is not the worker's {ours}",
+                                    field=name, value=theirs, limit=ours)
+        if hello.sample_mode not in i.sample_modes:
+            raise GeometryError(f"HELLO sample_mode {hello.sample_mode} is not one the worker"
+                                f" serves ({sorted(i.sample_modes)})", field="sample_mode",
+                                value=hello.sample_mode, limit=sorted(i.sample_modes))
+        per = TAP_DTYPE_BYTES[TAPS_BF16]
+        if hello.row_bytes != hello.n_taps * hello.hidden * per:
+            raise GeometryError(f"HELLO row_bytes {hello.row_bytes} is not n_taps {hello.n_taps}"
+                                f" * hidden {hello.hidden} * {per}", field="row_bytes",
+                                value=hello.row_bytes, limit=hello.n_taps * hello.hidden * per)
+
+    def _check_limits(self, hello: Hello) -> None:
+        i = self.info
+        if hello.max_slots == 0 or hello.max_slots > i.max_slots:
+            raise LimitsError(f"HELLO max_slots {hello.max_slots} is not in 1..{i.max_slots}",
+                              field="max_slots", value=hello.max_slots, limit=i.max_slots)
+        if hello.max_rows_per_step > i.max_rows_per_step:
+            raise LimitsError(f"HELLO max_rows_per_step {hello.max_rows_per_step} is over the"
+                              f" worker's {i.max_rows_per_step}", field="max_rows_per_step",
+                              value=hello.max_rows_per_step, limit=i.max_rows_per_step)
+
+    # -- STEP (7.2) -------------------------------------------------------------------------------
+    def _step(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply | None:
+        h = fr.header
+        s = self.table.bound(h.session, conn.conn_id, h.seq)
+        view = decode_step(fr.body)
+        check_step_shape(view, row_bytes=self.info.row_bytes, max_slots=s.max_slots,
+                         max_rows_per_step=s.hello.max_rows_per_step,
+                         num_spec=self.info.num_spec, sampled=s.sampled)
+        self._check_tokens(view.entries)
+        plan = plan_step(s, view.entries)
+        # Everything is checked: from here the STEP is accepted and must be answered.
+        reply_buf = conn.reply_buffer(reply_bytes(view.header.n_req, self.info.num_spec,
+                                                  s.sampled))
+        self.table.commit_step(s, plan, view.entries, h.seq, self.clock())
+        self.metrics.active_slots.set(self.table.active_slots)
+        shed = self.runner.queued_steps >= self.shed_queue_steps
+        item = StepItem(conn, h, s, view, plan, fr.storage, reply_buf, t_arrival, shed)
+        self.metrics.step_accepted(int(view.header.n_rows), APP_HEADER_SIZE + h.body_len)
+        self.metrics.observe_stage("decode", item.t_queued - t_arrival)
+        self.runner.submit(item)
+        self.metrics.queue_steps.set(self.runner.queued_steps)
+        return None
+
+    def _check_tokens(self, entries: Any) -> None:
+        """A drafting entry's anchor_token is the first input of the block: it must be a token
+        of the vocabulary (refused like the rules of 7.2 step 3, before anything applies)."""
+        if not entries.shape[0]:
+            return
+        bad = ((entries["flags"] & RF_NEED_DRAFT) != 0) & (
+            entries["anchor_token"] >= self.info.vocab_size)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            slot, token = int(entries["slot"][i]), int(entries["anchor_token"][i])
+            raise BadFrameError(f"slot {slot}: anchor_token {token} is not below vocab_size"
+                                f" {self.info.vocab_size}", field="anchor_token", value=token,
+                                limit=self.info.vocab_size, entry=i, slot=slot)
+
+    def complete(self, item: StepItem) -> None:
+        """The runner is done with a STEP (loop thread): reply, account, recycle its buffer."""
+        conn, h, m = item.conn, item.header, self.metrics
+        conn.release_storage(item.storage)
+        item.storage = None
+        m.queue_steps.set(self.runner.queued_steps)
+        if item.skipped:
+            data: Buffer = self._frame(h, ST_NO_SESSION)
+            m.frame(h.op, ST_NO_SESSION)
+            conn.complete(data)
+            return
+        if item.error is not None or item.reply is None:
+            exc = item.error
+            log.error("STEP seq %d of session %#010x failed on the device: %s: %s",
+                      h.seq, h.session, type(exc).__name__, exc,
+                      exc_info=exc if not isinstance(exc, WireError) else None)
+            self._drop(item.session, DropReason.INTERNAL, f"{type(exc).__name__}: {exc}")
+            m.frame(h.op, ST_INTERNAL)
+            conn.complete(self._frame(h, ST_INTERNAL))
+            return
+        reply = item.reply
+        t_done = time.perf_counter()
+        body_len = reply.finish(int((t_done - item.t_arrival) * 1e6))
+        buf = item.reply_buf
+        h.reply(ST_OK, body_len).pack_into(buf, 0)
+        m.frame(h.op, ST_OK)
+        status = item.status
+        if status is not None:
+            counts = np.bincount(status, minlength=self._req_counts.size)
+            self._req_counts += counts[:self._req_counts.size]
+            m.request_statuses(counts)
+        m.drafted(item.n_drafted)
+        item.session.drafted += item.n_drafted
+        m.observe_stage("queue", item.t_start - item.t_queued)
+        m.observe_stage("apply", item.apply_s)
+        if item.drafting.size:
+            m.observe_stage("draft", item.draft_s)
+        m.observe_stage("encode", item.encode_s)
+        m.observe_stage("step", t_done - item.t_arrival)
+        conn.complete(memoryview(buf)[:APP_HEADER_SIZE + body_len])
+
+    def record_batch(self, steps: int, entries: int) -> None:
+        self.metrics.batch_steps.observe(steps)
+        if entries:
+            self.metrics.batch_entries.observe(entries)
+
+    # -- PING, STATS, RESET (10) ------------------------------------------------------------------
+    def _ping(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
+        h = fr.header
+        if fr.body.nbytes:
+            raise BadFrameError(f"PING carries a {fr.body.nbytes}-byte body; it has none",
+                                field="body_len", value=fr.body.nbytes, limit=0)
+        s = self.table.get(h.session) if h.session else None
+        if s is not None and s.conn_id == conn.conn_id:
+            s.last_active = self.clock()  # a PING keeps its session alive, seq untouched
+        return self._ok(h)
+
+    def _stats(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
+        h = fr.header
+        if fr.body.nbytes:
+            raise BadFrameError(f"STATS carries a {fr.body.nbytes}-byte body; it has none",
+                                field="body_len", value=fr.body.nbytes, limit=0)
+        if h.session:
+            s = self.table.bound(h.session, conn.conn_id, h.seq)
+            self.table.touch(s, h.seq, self.clock())
+        return self._ok(h, msgspec.json.encode(self.stats()))
+
+    def _reset(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
+        h = fr.header
+        s = self.table.bound(h.session, conn.conn_id, h.seq)
+        slots = decode_reset(fr.body)
+        if len(slots) > s.max_slots:
+            raise BadFrameError(f"RESET lists {len(slots)} slots; the session has"
+                                f" {s.max_slots}", field="count", value=len(slots),
+                                limit=s.max_slots)
+        arr = np.asarray(slots, dtype=np.intp)
+        if arr.size and int(arr.max()) >= s.max_slots:
+            bad = int(arr[arr >= s.max_slots][0])
+            raise BadFrameError(f"RESET slot {bad} is not below max_slots {s.max_slots}",
+                                field="slot", value=bad, limit=s.max_slots, slot=bad)
+        self.table.touch(s, h.seq, self.clock())
+        self.runner.submit(LaneOp("release", s, np.unique(arr) if arr.size else None))
+        log.debug("session %#010x RESET %s", s.session_id,
+                  "every slot" if not arr.size else f"{arr.size} slots")
+        return self._ok(h)
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def expire_idle(self) -> int:
+        gone = self.table.expire(self.clock())
+        for s in gone:
+            self._dropped(s, DropReason.EXPIRED,
+                          f"after {self.table.idle_s:.0f} s without a frame")
+        return len(gone)
+
+    def _drop(self, s: Session, reason: DropReason, why: str) -> None:
+        if self.table.drop(s):
+            self._dropped(s, reason, why)
+
+    def _dropped(self, s: Session, reason: DropReason, why: str) -> None:
+        """After the table let ``s`` go: free its lanes in order with the STEPs, account."""
+        self.runner.submit(LaneOp("free", s))
+        self.metrics.sessions_dropped.labels(reason=reason.value).inc()
+        self._dropped_counts[reason.value] = self._dropped_counts.get(reason.value, 0) + 1
+        lvl = logging.WARNING if reason is DropReason.INTERNAL else logging.INFO
+        log.log(lvl, "session %#010x %s (client %r, %d live slots): %s", s.session_id,
+                reason.value if reason is not DropReason.INTERNAL else "dropped", s.client_name,
+                s.n_live, why)
+        self._gauges()
+
+    def drop_all(self, reason: DropReason = DropReason.SHUTDOWN) -> None:
+        for s in self.table:
+            self._drop(s, reason, "the worker is stopping")
+
+    def _gauges(self) -> None:
+        self.metrics.sessions.set(len(self.table))
+        self.metrics.active_slots.set(self.table.active_slots)
+        self.metrics.window_memory_used.set(self.table.lanes_reserved * self.info.bytes_per_slot)
+
+    # -- STATS ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        i, now, m = self.info, self.clock(), self.metrics
+        self._gauges()
+        sessions = [{
+            "session": s.session_id, "client_name": s.client_name,
+            "sample_mode": SAMPLE_MODE_NAMES.get(s.hello.sample_mode, "?"),
+            "max_slots": s.max_slots, "slots_in_use": s.n_live,
+            "connected": self.connected(s.conn_id),
+            "age_s": round(now - s.created_at, 3), "idle_s": round(now - s.last_active, 3),
+            "steps": s.steps, "rows": s.rows, "drafted_positions": s.drafted,
+        } for s in self.table]
+        totals: dict[str, Any] = dict(m.totals)
+        totals["batches"] = self.runner.batches
+        totals["refusals"] = dict(m.refusals)
+        totals["request_status"] = {REQ_STATUS_NAMES[rs]: int(n)
+                                    for rs, n in enumerate(self._req_counts.tolist())
+                                    if rs in REQ_STATUS_NAMES}
+        totals["sessions_dropped"] = dict(self._dropped_counts)
+        out: dict[str, Any] = {
+            "worker_name": i.worker_name, "version": i.version, "contract_version": VERSION,
+            "uptime_s": round(now - self.started, 3), "ready": self.ready,
+            "draining": self.draining, "device": i.device, "dtype": i.dtype,
+            "geometry": {"window": i.window, "num_spec": i.num_spec, "row_bytes": i.row_bytes,
+                         "vocab_size": i.vocab_size, "n_taps": i.n_taps, "hidden": i.hidden,
+                         "capabilities": i.capabilities},
+            "drafter_identity": i.drafter_identity.hex(),
+            "markov_identity": i.markov_identity.hex(),
+            "limits": dict(i.limits),
+            "queue_steps": self.runner.queued_steps,
+            "sessions": sessions,
+            "totals": totals,
+            "latency_us": m.latency_quantiles(),
+        }
+        if self.stats_extra is not None:
+            out.update(self.stats_extra())
+        return out
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+

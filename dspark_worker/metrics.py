@@ -1,0 +1,205 @@
+"""Prometheus collectors and the STATS latency windows (docs/contract.md sections 10 and 12).
+
+Every collector lives on the ``CollectorRegistry`` passed in, never on the global default one,
+so tests build a fresh registry per worker and several workers can share a process. Names follow
+Prometheus conventions: prefix ``dspark_worker_``, ``_total`` on counters, base units (seconds,
+bytes).
+
+Families:
+
+==========================================  =========  ==========================================
+name                                        type       labels / meaning
+==========================================  =========  ==========================================
+dspark_worker_frames_total                  counter    op, status: frames answered
+dspark_worker_request_status_total          counter    status: STEP entries by request status
+dspark_worker_rows_received_total           counter    tap rows received in accepted STEPs
+dspark_worker_received_bytes_total          counter    bytes of every frame received
+dspark_worker_sent_bytes_total              counter    bytes of every reply sent
+dspark_worker_drafted_positions_total       counter    draft positions returned (k per entry)
+dspark_worker_hello_refusals_total          counter    status: HELLOs refused
+dspark_worker_sessions_dropped_total        counter    reason: replaced, recreated, expired, ...
+dspark_worker_connections_total             counter    connections accepted
+dspark_worker_connections_refused_total     counter    connections closed at once (limit)
+dspark_worker_connections_closed_total      counter    reason: peer, bad_magic, too_large, ...
+dspark_worker_sessions                      gauge      sessions held
+dspark_worker_active_slots                  gauge      slots with a live generation
+dspark_worker_connections_open              gauge      connections open
+dspark_worker_queue_steps                   gauge      STEPs waiting for the device
+dspark_worker_window_memory_bytes           gauge      ring pool reserved at start
+dspark_worker_window_memory_used_bytes      gauge      ring memory of the lanes sessions hold
+dspark_worker_ready                         gauge      1 once the drafter is loaded and warm
+dspark_worker_info                          gauge      1; labels version, worker_name, device,
+                                                       dtype, drafter_identity, markov_identity
+dspark_worker_stage_duration_seconds        histogram  stage: decode, queue, apply, draft,
+                                                       encode, step (frame's last byte to reply)
+dspark_worker_batch_steps                   histogram  STEPs per device batch
+dspark_worker_batch_entries                 histogram  entries drafted per drafter call
+==========================================  =========  ==========================================
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from protocol.constants import FRAME_STATUS_NAMES, OP_NAMES, REQ_STATUS_NAMES
+
+PREFIX: Final = "dspark_worker"
+STAGES: Final = ("decode", "queue", "apply", "draft", "encode", "step")
+# 20 us .. 5 s: a STEP's host work is tens of microseconds, a large batch's draft many ms.
+LATENCY_BUCKETS: Final = (20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3,
+                          50e-3, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Samples kept per stage for the STATS quantiles: the last few seconds at full load.
+LATENCY_WINDOW: Final = 2048
+
+
+def op_label(op: int) -> str:
+    return OP_NAMES.get(op, "unknown")
+
+
+def frame_status_label(status: int) -> str:
+    return FRAME_STATUS_NAMES.get(status, str(status))
+
+
+class LatencyWindow:
+    """The last ``size`` samples of one stage, for STATS quantiles. Loop thread only: the
+    runner thread measures, dispatch records once the batch is back."""
+
+    def __init__(self, size: int = LATENCY_WINDOW) -> None:
+        self._values = [0.0] * size
+        self._size = size
+        self._n = 0
+
+    def add(self, seconds: float) -> None:
+        self._values[self._n % self._size] = seconds
+        self._n += 1
+
+    def quantiles(self) -> dict[str, float | int]:
+        """count (all time) and p50/p90/p99/max in microseconds over the window."""
+        n = min(self._n, self._size)
+        data = np.asarray(self._values[:n], dtype=np.float64)
+        total = self._n
+        if n == 0:
+            return {"count": total}
+        p50, p90, p99 = (float(x) for x in np.percentile(data, [50, 90, 99]))
+        return {"count": total, "p50_us": round(p50 * 1e6, 1), "p90_us": round(p90 * 1e6, 1),
+                "p99_us": round(p99 * 1e6, 1), "max_us": round(float(data.max()) * 1e6, 1)}
+
+
+class Metrics:
+    """The worker's collectors on an injected registry, plus the STATS latency windows."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        p = PREFIX
+        r = registry
+        self.frames = Counter(f"{p}_frames", "Frames answered, by op and frame status.",
+                              ["op", "status"], registry=r)
+        self.request_status = Counter(f"{p}_request_status",
+                                      "STEP entries answered, by request status.", ["status"],
+                                      registry=r)
+        self.rows_received = Counter(f"{p}_rows_received",
+                                     "Tap rows received in accepted STEPs.", registry=r)
+        self.received_bytes = Counter(f"{p}_received_bytes",
+                                      "Bytes of frames received (headers and bodies).",
+                                      registry=r)
+        self.sent_bytes = Counter(f"{p}_sent_bytes", "Bytes of replies sent.", registry=r)
+        self.drafted_positions = Counter(f"{p}_drafted_positions",
+                                         "Draft positions returned to clients.", registry=r)
+        self.hello_refusals = Counter(f"{p}_hello_refusals", "HELLOs refused, by frame status.",
+                                      ["status"], registry=r)
+        self.sessions_dropped = Counter(f"{p}_sessions_dropped",
+                                        "Sessions dropped with their windows, by reason.",
+                                        ["reason"], registry=r)
+        self.connections_total = Counter(f"{p}_connections", "Connections accepted.",
+                                         registry=r)
+        self.connections_refused = Counter(f"{p}_connections_refused",
+                                           "Connections closed at once: over the limit or"
+                                           " draining.", registry=r)
+        self.connections_closed = Counter(f"{p}_connections_closed",
+                                          "Connections closed, by reason.", ["reason"],
+                                          registry=r)
+        self.sessions = Gauge(f"{p}_sessions", "Sessions held.", registry=r)
+        self.active_slots = Gauge(f"{p}_active_slots", "Slots with a live generation.",
+                                  registry=r)
+        self.connections = Gauge(f"{p}_connections_open", "Connections open.", registry=r)
+        self.queue_steps = Gauge(f"{p}_queue_steps", "STEPs waiting for the device.",
+                                 registry=r)
+        self.window_memory = Gauge(f"{p}_window_memory_bytes",
+                                   "Ring pool memory reserved at start.", registry=r)
+        self.window_memory_used = Gauge(f"{p}_window_memory_used_bytes",
+                                        "Ring memory of the lanes sessions hold.", registry=r)
+        self.ready = Gauge(f"{p}_ready", "1 once the drafter is loaded and warmed up.",
+                           registry=r)
+        self.info = Gauge(f"{p}_info", "Constant 1; what this worker runs.",
+                          ["version", "worker_name", "device", "dtype", "drafter_identity",
+                           "markov_identity"], registry=r)
+        self.stage_seconds = Histogram(f"{p}_stage_duration_seconds",
+                                       "Time per STEP stage: decode (decode, checks, session"
+                                       " bookkeeping), queue, apply (rows into rings), draft"
+                                       " (per batch), encode, step (last byte to reply).",
+                                       ["stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_steps = Histogram(f"{p}_batch_steps", "STEPs per device batch.",
+                                     buckets=BATCH_BUCKETS, registry=r)
+        self.batch_entries = Histogram(f"{p}_batch_entries",
+                                       "Entries drafted per drafter call.",
+                                       buckets=BATCH_BUCKETS, registry=r)
+        # Children resolved once: labels() costs a dict lookup and a lock per call.
+        self._stage = {s: self.stage_seconds.labels(stage=s) for s in STAGES}
+        self.windows = {s: LatencyWindow() for s in STAGES}
+        self._frames: dict[tuple[int, int], Counter] = {}
+        self._req = {rs: self.request_status.labels(status=name)
+                     for rs, name in REQ_STATUS_NAMES.items()}
+        # Counters for the STATS totals (prometheus children are not meant to be read back).
+        self.totals: dict[str, int] = {"steps": 0, "rows": 0, "drafted_positions": 0,
+                                       "frames": 0, "received_bytes": 0, "sent_bytes": 0}
+        self.refusals: dict[str, int] = {}
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        self._stage[stage].observe(seconds)
+        self.windows[stage].add(seconds)
+
+    def frame(self, op: int, status: int) -> None:
+        key = (op, status)
+        child = self._frames.get(key)
+        if child is None:
+            child = self.frames.labels(op=op_label(op), status=frame_status_label(status))
+            self._frames[key] = child
+        child.inc()
+        self.totals["frames"] += 1
+        if status:
+            name = f"{op_label(op)}:{frame_status_label(status)}"
+            self.refusals[name] = self.refusals.get(name, 0) + 1
+
+    def request_statuses(self, counts: np.ndarray) -> None:
+        """``counts[rs]`` entries answered with request status ``rs``."""
+        for rs, n in enumerate(counts.tolist()):
+            if n:
+                child = self._req.get(rs)
+                if child is not None:
+                    child.inc(n)
+
+    def step_accepted(self, rows: int, received_bytes: int) -> None:
+        self.totals["steps"] += 1
+        self.totals["rows"] += rows
+        if rows:
+            self.rows_received.inc(rows)
+
+    def drafted(self, positions: int) -> None:
+        if positions:
+            self.totals["drafted_positions"] += positions
+            self.drafted_positions.inc(positions)
+
+    def received(self, nbytes: int) -> None:
+        self.totals["received_bytes"] += nbytes
+        self.received_bytes.inc(nbytes)
+
+    def sent(self, nbytes: int) -> None:
+        self.totals["sent_bytes"] += nbytes
+        self.sent_bytes.inc(nbytes)
+
+    def latency_quantiles(self) -> dict[str, dict[str, float | int]]:
+        return {s: w.quantiles() for s, w in self.windows.items()}

@@ -1,0 +1,459 @@
+"""The runner: batches STEPs of every session onto the device (docs/contract.md 7.2 steps 4-7,
+7.4, 8, 9.2; DRAFTER.md "What makes it fast").
+
+Dispatch does everything host-side on arrival (decode, shape checks, generations, seq) and hands
+the runner a ``StepItem``; the runner owns the drafter's ``RingPool``, which is not thread-safe:
+every ring operation (allocate, free, release, apply, draft) happens here, one batch at a time,
+in the order it was submitted.
+
+How a batch forms: the runner task sleeps until something is queued, then takes the queue from
+the front, in order, and runs it as one batch in a worker thread (``run_in_executor``), so the
+event loop keeps receiving while the device works. Everything that arrives meanwhile waits and
+becomes the next batch: STEPs from several engines that arrive while the device is busy are
+drafted together. A batch is cut before a STEP or lane operation of a session that already has a
+STEP in it, so one session's STEPs are never reordered or merged (its second STEP must see the
+rings after the first one's draft).
+
+One batch on the device: for each operation in order, lane work (allocate / free / release) or a
+STEP's rows (one ``pool.apply`` per STEP, for all its entries) and its window statuses (7.2 step
+5); then ONE ``drafter.draft`` over the union of every drafting entry of the batch; then each
+STEP's reply is encoded in place (``StepReply.into``) into a buffer its connection reuses. If the
+batched draft raises, each STEP is drafted alone so that only the one that fails is refused
+(ST_INTERNAL, and dispatch drops its session).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from protocol.constants import (
+    APP_HEADER_SIZE,
+    RPF_MARGIN,
+    RPF_SAMPLED,
+    RS_NO_WINDOW,
+    RS_OK,
+    RS_PARTIAL_WINDOW,
+    RS_SHED,
+    RS_STALE_GENERATION,
+)
+from protocol.errors import InternalError
+from protocol.header import AppHeader
+from protocol.messages import StepReply, StepView, reply_layout
+
+from .sessions import Session, StepPlan
+
+log = logging.getLogger(__name__)
+
+Buffer = bytearray | memoryview
+
+
+class Drafter(Protocol):
+    """What the runner needs of ``dspark_worker.drafter`` (its loaded drafter)."""
+
+    num_spec: int
+
+    def draft(self, pool: Any, lanes: Any, anchor_pos: Any, anchor_token: Any, num_spec: int,
+              sampling: Any = None) -> Any: ...
+
+
+class StepItem:
+    """One accepted STEP on its way through the device, and then its answer."""
+
+    __slots__ = ("apply_s", "conn", "draft_s", "drafted", "drafting", "encode_s", "error",
+                 "header",
+                 "n_drafted", "plan", "reply", "reply_buf", "session", "shed", "skipped",
+                 "status", "storage", "t_arrival", "t_queued", "t_start", "view", "window_rows")
+
+    def __init__(self, conn: Any, header: AppHeader, session: Session, view: StepView,
+                 plan: StepPlan, storage: Buffer | None, reply_buf: Buffer, t_arrival: float,
+                 shed: bool) -> None:
+        self.conn = conn
+        self.header = header
+        self.session = session
+        self.view = view
+        self.plan = plan
+        self.storage = storage  # the frame body's buffer: back to the pool once answered
+        self.reply_buf = reply_buf  # the reply is encoded at offset APP_HEADER_SIZE
+        self.t_arrival = t_arrival  # perf_counter at the frame's last byte
+        self.shed = shed
+        self.t_queued = time.perf_counter()
+        self.t_start = 0.0
+        self.apply_s = self.draft_s = self.encode_s = 0.0
+        self.status: npt.NDArray[np.uint8] | None = None
+        self.window_rows: npt.NDArray[np.int64] | None = None
+        self.drafting: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
+        self.drafted: _Drafted | None = None  # this STEP's rows of the batch's draft
+        self.reply: StepReply | None = None
+        self.n_drafted = 0
+        self.error: BaseException | None = None
+        self.skipped = False  # the session was gone before the batch: nothing applied
+
+
+class LaneOp:
+    """Ring work that must happen in order with the STEPs: ``allocate`` a new session's lanes,
+    ``free`` a dropped session's, ``release`` (RESET) some slots' windows."""
+
+    __slots__ = ("kind", "session", "slots")
+
+    def __init__(self, kind: str, session: Session,
+                 slots: npt.NDArray[np.intp] | None = None) -> None:
+        self.kind = kind
+        self.session = session
+        self.slots = slots
+
+
+Op = StepItem | LaneOp
+
+
+class Runner:
+    """Owns the ring pool; drafts batches of STEPs in a worker thread."""
+
+    def __init__(self, drafter: Drafter, pool: Any, *, window: int,
+                 complete: Callable[[StepItem], None],
+                 on_batch: Callable[[int, int], None] | None = None,
+                 make_sampling: Callable[..., Any] | None = None) -> None:
+        self.drafter = drafter
+        self._on_batch = on_batch
+        self._make_sampling = make_sampling or _sampling_params
+        self.pool = pool
+        self.window = window
+        self.num_spec = int(drafter.num_spec)
+        self._complete = complete
+        self._queue: deque[Op] = deque()
+        self.queued_steps = 0
+        self._wake = asyncio.Event()
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-runner")
+        self._task: asyncio.Task[None] | None = None
+        self.batches = 0
+        # Filled by the last batch (the thread writes, the loop reads after the batch).
+        self.last_batch_steps = 0
+        self.last_batch_entries = 0
+        self.batch_log: deque[tuple[int, int]] = deque(maxlen=64)  # (steps, entries) per batch
+
+    # -- loop side --------------------------------------------------------------------------------
+    def start(self, on_death: Callable[[BaseException], None] | None = None) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="dspark-runner")
+
+        def died(task: asyncio.Task[None]) -> None:
+            if task.cancelled():
+                return
+            exc = task.exception()
+            if exc is not None:  # a bug: no STEP can be answered any more
+                log.critical("the runner stopped: %s: %s", type(exc).__name__, exc,
+                             exc_info=exc)
+                if on_death is not None:
+                    on_death(exc)
+
+        self._task.add_done_callback(died)
+
+    def submit(self, op: Op) -> None:
+        self._queue.append(op)
+        if isinstance(op, StepItem):
+            self.queued_steps += 1
+        self._idle.clear()
+        self._wake.set()
+
+    def hold(self) -> None:
+        """Test hook: stop taking batches (what is queued stays queued) until ``release``."""
+        self._gate.clear()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def busy(self) -> bool:
+        return not self._idle.is_set()
+
+    async def drain(self) -> None:
+        """Until every submitted operation has run and been answered."""
+        self._gate.set()
+        await self._idle.wait()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            await self._gate.wait()
+            batch = self._take_batch()
+            if not self._queue:
+                self._wake.clear()
+            if batch:
+                t = time.perf_counter()
+                steps = [op for op in batch if isinstance(op, StepItem)]
+                for item in steps:
+                    item.t_start = t
+                try:
+                    await loop.run_in_executor(self._executor, self._execute, batch)
+                except Exception as exc:  # _execute catches per item; this is a bug
+                    log.exception("runner batch failed")
+                    for item in steps:
+                        if item.error is None and not item.skipped:
+                            item.error = exc
+                self.batches += 1
+                if self._on_batch is not None:
+                    self._on_batch(len(steps), self.last_batch_entries)
+                for item in steps:
+                    try:
+                        self._complete(item)
+                    except Exception:
+                        log.exception("completing STEP seq %d failed", item.header.seq)
+            if not self._queue:
+                self._idle.set()
+
+    def _take_batch(self) -> list[Op]:
+        batch: list[Op] = []
+        stepped: set[int] = set()  # id() of sessions with a STEP in this batch
+        q = self._queue
+        while q:
+            op = q[0]
+            sid = id(op.session)
+            if sid in stepped:
+                break
+            q.popleft()
+            if isinstance(op, StepItem):
+                self.queued_steps -= 1
+                if not op.session.alive:
+                    op.skipped = True
+                else:
+                    stepped.add(sid)
+            batch.append(op)
+        return batch
+
+    # -- device side (the runner thread) ----------------------------------------------------------
+    def _execute(self, batch: list[Op]) -> None:
+        steps: list[StepItem] = []
+        for op in batch:
+            if isinstance(op, LaneOp):
+                self._lane_op(op)
+                continue
+            if op.skipped:
+                continue
+            t = time.perf_counter()
+            try:
+                self._apply(op)
+            except Exception as exc:
+                op.error = exc
+            op.apply_s = time.perf_counter() - t
+            if op.error is None:
+                steps.append(op)
+        self._draft_all([s for s in steps if s.drafting.size])
+        for item in steps:
+            if item.error is not None:
+                continue
+            t = time.perf_counter()
+            try:
+                self._encode(item)
+            except Exception as exc:
+                item.error = exc
+            item.encode_s = time.perf_counter() - t
+
+    def _lane_op(self, op: LaneOp) -> None:
+        s = op.session
+        try:
+            if op.kind == "allocate":
+                s.lanes = self.pool.allocate(s.max_slots)
+            elif s.lanes is None:
+                return
+            elif op.kind == "free":
+                self.pool.free(s.lanes)
+                s.lanes = None
+            elif op.kind == "release":
+                lanes = s.lanes if op.slots is None else s.lanes[op.slots]
+                self.pool.release(lanes)
+        except Exception:
+            # The session's STEPs will find no lanes and be answered ST_INTERNAL.
+            log.exception("ring %s for session %#010x failed", op.kind, s.session_id)
+
+    def _apply(self, item: StepItem) -> None:
+        """7.2 steps 4 and 5 for one STEP."""
+        s, plan, e = item.session, item.plan, item.view.entries
+        lanes_all = s.lanes
+        if lanes_all is None:
+            raise InternalError(f"session {s.session_id:#010x} holds no ring lanes")
+        n = e.shape[0]
+        anchor = e["anchor_pos"].astype(np.int64)
+        counts = e["n_rows"].astype(np.int64)
+        wr = np.zeros(n, dtype=np.int64)
+        applied = plan.apply
+        if applied.any():
+            lanes = lanes_all[plan.slots[applied]]
+            rows = item.view.rows
+            if not applied.all() and counts[~applied].any():
+                # A stale entry's rows are left out (7.1): gather the others' rows (a copy; a
+                # stale generation is rare and ends the session on the client's side).
+                ends = np.cumsum(counts)
+                keep = np.concatenate([np.arange(end - c, end) for end, c, a
+                                       in zip(ends, counts, applied, strict=True) if a and c]
+                                      or [np.zeros(0, dtype=np.int64)])
+                rows = rows[keep]
+            self.pool.apply(lanes, anchor[applied], counts[applied], plan.reset[applied], rows)
+            wr[applied] = self.pool.window_rows(lanes, anchor[applied])
+        if plan.release.any():
+            self.pool.release(lanes_all[plan.slots[plan.release]])
+        expected = np.minimum(anchor, self.window)
+        wr = np.minimum(wr, expected)
+        status = np.full(n, RS_OK, dtype=np.uint8)
+        status[plan.stale] = RS_STALE_GENERATION
+        need = plan.need_draft
+        full = need & (wr == expected)
+        partial = need & (wr > 0) & (wr < expected)
+        status[partial] = RS_PARTIAL_WINDOW
+        status[need & (wr == 0) & (expected > 0)] = RS_NO_WINDOW
+        drafting = full | partial
+        if item.shed:
+            status[drafting] = RS_SHED
+            drafting[:] = False
+        item.status = status
+        item.window_rows = wr
+        item.drafting = np.flatnonzero(drafting)
+
+    def _draft_all(self, items: list[StepItem]) -> None:
+        """One drafter call for every drafting entry of the batch; split the result back."""
+        self.last_batch_steps = len(items)
+        self.last_batch_entries = int(sum(it.drafting.size for it in items))
+        self.batch_log.append((self.last_batch_steps, self.last_batch_entries))
+        if not items:
+            return
+        t = time.perf_counter()
+        try:
+            result = self._draft(items)
+        except Exception as exc:
+            if len(items) == 1:
+                items[0].error = exc
+                items[0].draft_s = time.perf_counter() - t
+                return
+            log.warning("batched draft of %d STEPs failed (%s); drafting each alone",
+                        len(items), exc)
+            for item in items:
+                t1 = time.perf_counter()
+                try:
+                    self._split(self._draft([item]), [item])
+                except Exception as exc1:
+                    item.error = exc1
+                item.draft_s = time.perf_counter() - t1
+            return
+        draft_s = time.perf_counter() - t
+        for item in items:
+            item.draft_s = draft_s
+        self._split(result, items)
+
+    def _draft(self, items: list[StepItem]) -> Any:
+        lanes, anchor, token, top_k, temp, top_p, seed, gen = [], [], [], [], [], [], [], []
+        sampled = False
+        for item in items:
+            s, e = item.session, item.view.entries[item.drafting]
+            if s.lanes is None:
+                raise InternalError(f"session {s.session_id:#010x} holds no ring lanes")
+            lanes.append(s.lanes[e["slot"].astype(np.intp)])
+            anchor.append(e["anchor_pos"])
+            token.append(e["anchor_token"])
+            top_k.append(e["top_k"])
+            temp.append(e["temperature"])
+            top_p.append(e["top_p"])
+            seed.append(e["seed"])
+            gen.append(e["generation"])
+            sampled = sampled or bool((e["top_k"] > 0).any())
+        sampling = None
+        if sampled:
+            sampling = self._make_sampling(
+                top_k=np.concatenate(top_k).astype(np.int64),
+                temperature=np.concatenate(temp).astype(np.float32),
+                top_p=np.concatenate(top_p).astype(np.float32),
+                seed=np.concatenate(seed).astype(np.uint64),
+                generation=np.concatenate(gen).astype(np.uint32))
+        return self.drafter.draft(self.pool, np.concatenate(lanes).astype(np.int64),
+                                  np.concatenate(anchor).astype(np.int64),
+                                  np.concatenate(token).astype(np.int64), self.num_spec,
+                                  sampling=sampling)
+
+    @staticmethod
+    def _split(result: Any, items: list[StepItem]) -> None:
+        """Hand each item its rows of the batched result (views, copied at encode)."""
+        at = 0
+        for item in items:
+            b = item.drafting.size
+            item.drafted = _Drafted(result, at, at + b)
+            at += b
+
+    def _encode(self, item: StepItem) -> None:
+        """7.4 in place: the reply lands at APP_HEADER_SIZE in the connection's buffer."""
+        s, e, N = item.session, item.view.entries, self.num_spec
+        if item.status is None or item.window_rows is None:  # pragma: no cover - by _apply
+            raise InternalError("STEP reached encode without statuses")
+        flags = RPF_MARGIN | (RPF_SAMPLED if s.sampled else 0)
+        reply = StepReply.into(item.reply_buf, APP_HEADER_SIZE, int(item.view.header.step_id),
+                               e.shape[0], N, flags)
+        reply.status[:] = item.status
+        reply.window_rows[:] = item.window_rows
+        reply.generation[:] = e["generation"]
+        idx, drafted = item.drafting, item.drafted
+        if idx.size and drafted is not None:
+            n_out = e["n_out"][idx].astype(np.int64)
+            ks = np.where(n_out == 0, N, np.minimum(n_out, N))  # [b]
+            live = np.arange(N)[None, :] < ks[:, None]  # [b, N]
+            r, sl = drafted.result, slice(drafted.lo, drafted.hi)
+            reply.draft_ids[idx] = np.where(live, np.asarray(r.draft_ids)[sl, :N], 0)
+            reply.confidence[idx] = np.where(live, np.asarray(r.confidence)[sl, :N], 0.0)
+            if reply.margin is not None:
+                reply.margin[idx] = np.where(live, np.asarray(r.margin)[sl, :N], 0.0)
+            smp = e["top_k"][idx] > 0  # [b]; greedy entries of a sampled session carry no q
+            if (reply.sampled_mask is not None and reply.support_ids is not None
+                    and reply.proposal_q is not None and smp.any()):
+                rows = idx[smp]
+                m3 = live[smp][:, :, None]  # [b', N, 1]
+                reply.sampled_mask[rows] = 1
+                reply.support_ids[rows] = np.where(
+                    m3, np.asarray(r.support_ids)[sl][smp][:, :N], 0)
+                reply.proposal_q[rows] = np.where(
+                    m3, np.asarray(r.proposal_q)[sl][smp][:, :N], 0)
+            item.n_drafted = int(ks.sum())
+        item.reply = reply
+
+
+def _sampling_params(**fields: Any) -> Any:
+    from .drafter import SamplingParams  # torch: imported only once a sampled entry drafts
+
+    return SamplingParams(**fields)
+
+
+class _Drafted:
+    """An item's slice of a batched draft result, until its reply is encoded."""
+
+    __slots__ = ("hi", "lo", "result")
+
+    def __init__(self, result: Any, lo: int, hi: int) -> None:
+        self.result = result
+        self.lo = lo
+        self.hi = hi
+
+
+def reply_bytes(n_req: int, num_spec: int, sampled: bool) -> int:
+    """Bytes of a STEP reply frame, header included."""
+    flags = RPF_MARGIN | (RPF_SAMPLED if sampled else 0)
+    return APP_HEADER_SIZE + reply_layout(n_req, num_spec, flags).size

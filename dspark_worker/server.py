@@ -1,0 +1,418 @@
+"""Sockets: the only module that touches asyncio transports (docs/contract.md sections 2, 3, 11,
+12).
+
+* ``Connection`` is an ``asyncio.BufferedProtocol`` over TCP or a Unix socket. The transport
+  receives straight into ``protocol.framing.FrameDecoder``'s memory: headers into a scratch
+  buffer, each body into storage from the ``BufferPool`` (pinned on CUDA), so a rows region is
+  never re-assembled from chunks. Frames of one connection are answered one at a time, in order
+  (the contract allows one request in flight); a few more are buffered, then reading pauses.
+  Replies are written from one buffer per connection, reused while the transport holds no part
+  of it. A wrong magic closes the connection; a body over the frame limit is answered
+  ST_BAD_FRAME and closes it; a frame that stays incomplete past the partial-frame deadline
+  closes it. Everything else is answered by dispatch and the stream stays aligned.
+* ``WorkerServer`` accepts on TCP (``TCP_NODELAY``) and Unix listeners, enforces the connection
+  limit and drains on shutdown.
+* ``MetricsServer`` is a small HTTP/1.0 server for ``/metrics`` (Prometheus text format),
+  ``/healthz`` (readiness: 200 once the drafter is loaded and warm, 503 before and while
+  draining) and ``/livez`` (liveness: 200 while the process serves, 503 once its runner died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from protocol.errors import FrameHeaderError, FrameTooLargeError
+from protocol.framing import Frame, FrameDecoder
+
+from .buffers import BufferPool
+from .config import MAX_PENDING_FRAMES_PER_CONNECTION
+from .dispatch import Buffer, Dispatcher
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+# Receives after a decoder error land here and are dropped while the connection closes.
+_DISCARD = bytearray(64 << 10)
+# Smallest reply buffer a connection keeps (a few entries' reply; grows to the largest seen).
+MIN_REPLY_BUFFER = 4 << 10
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One client connection."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, server: WorkerServer, kind: str) -> None:
+        self.server = server
+        self.dispatcher = server.dispatcher
+        self.kind = kind
+        self.conn_id = next(self._ids)
+        self.peer = "?"
+        self.transport: asyncio.Transport | None = None
+        self.decoder = FrameDecoder(max_body=server.max_frame_bytes, alloc=server.buffers.alloc)
+        self.pending: deque[tuple[Frame, float]] = deque()
+        self.busy = False  # a STEP of this connection is with the runner
+        self.closing = False
+        self.closed = False
+        self.close_reason = "peer"
+        self.read_paused = False
+        self.write_paused = False
+        self._reply_buf: bytearray | None = None
+        self._partial_since: float | None = None
+        self._partial_timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.BufferedProtocol -----------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):
+            self.peer = f"{peer[0]}:{peer[1]}"
+        else:
+            self.peer = f"unix:{self.server.unix_path or '?'}#{self.conn_id}"
+        sock = transport.get_extra_info("socket")
+        if self.kind == "tcp" and sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not self.server.register(self):
+            self.closing = True
+            self.close_reason = "refused"
+            transport.close()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.closing or self.decoder.error is not None:
+            return memoryview(_DISCARD)
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closing:
+            return
+        try:
+            frames = self.decoder.buffer_updated(nbytes)
+        except FrameHeaderError as exc:
+            self.server.bad_stream(self, "bad_magic", str(exc))
+            self._close("bad_magic")
+            return
+        except FrameTooLargeError as exc:
+            h = self.decoder.error_header
+            if h is not None:
+                self._write(self.dispatcher.refuse_too_large(self, h, exc).data)
+            self._close("too_large")
+            return
+        if frames:
+            now = time.perf_counter()
+            self.pending.extend((f, now) for f in frames)
+            self._pump()
+        self._watch_partial(bool(frames))
+        if (len(self.pending) >= MAX_PENDING_FRAMES_PER_CONNECTION and not self.read_paused
+                and not self.closing and self.transport is not None):
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too; sessions outlive their connections (6.2)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = self.closing = True
+        if self._partial_timer is not None:
+            self._partial_timer.cancel()
+            self._partial_timer = None
+        while self.pending:
+            f, _ = self.pending.popleft()
+            self.server.buffers.release(f.storage)
+        self.server.unregister(self, self.close_reason if exc is None else "error")
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._pump()
+
+    # -- what dispatch calls ----------------------------------------------------------------------
+    def reply_buffer(self, nbytes: int) -> bytearray:
+        """A buffer for the next reply. The previous one is reused unless the transport may
+        still hold a view of it (data not yet sent)."""
+        buf = self._reply_buf
+        held = self.transport is not None and self.transport.get_write_buffer_size() > 0
+        if buf is None or len(buf) < nbytes or held:
+            size = max(nbytes, MIN_REPLY_BUFFER)
+            if buf is not None and not held:
+                size = max(size, len(buf))
+            buf = bytearray(1 << (size - 1).bit_length())
+            self._reply_buf = buf
+        return buf
+
+    def complete(self, data: Buffer, close: bool = False) -> None:
+        """The answer to this connection's STEP (loop thread, from the runner's batch)."""
+        self.busy = False
+        if self.closing:
+            return
+        self._write(data)
+        if close:
+            self._close("refused")
+            return
+        self._pump()
+
+    def release_storage(self, storage: Any) -> None:
+        self.server.buffers.release(storage)
+
+    # -- inner work -------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        while self.pending and not self.busy and not self.closing and not self.write_paused:
+            fr, t_arrival = self.pending.popleft()
+            reply = self.dispatcher.handle(self, fr, t_arrival)
+            if reply is None:  # a STEP: the runner has it and its body
+                self.busy = True
+                break
+            self.server.buffers.release(fr.storage)
+            self._write(reply.data)
+            if reply.close:  # a version the worker does not speak (section 3)
+                self._close("version")
+                return
+        if (self.read_paused and not self.closing and self.transport is not None
+                and len(self.pending) < MAX_PENDING_FRAMES_PER_CONNECTION
+                and not self.server.draining):
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    def _write(self, data: Buffer) -> None:
+        if self.transport is None or self.closing:
+            return
+        self.transport.write(data)
+        self.server.metrics.sent(len(data))
+
+    def _close(self, reason: str) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        self.close_reason = reason
+        if self.transport is not None:
+            self.transport.close()  # flushes what was written first
+
+    def _watch_partial(self, completed: bool) -> None:
+        """Arm the deadline for a frame that has started and not finished."""
+        if not self.decoder.has_partial or self.closing:
+            self._partial_since = None
+            return
+        if completed or self._partial_since is None:
+            self._partial_since = time.monotonic()  # a new frame began in this receive
+        if self._partial_timer is None:
+            self._arm_partial(self.server.partial_timeout_s)
+
+    def _arm_partial(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._partial_timer = loop.call_later(max(delay, 0.01), self._partial_check)
+
+    def _partial_check(self) -> None:
+        self._partial_timer = None
+        since = self._partial_since
+        if since is None or self.closing:
+            return
+        if self.read_paused:  # our own back-pressure is not the peer's fault
+            self._arm_partial(self.server.partial_timeout_s)
+            return
+        left = self.server.partial_timeout_s - (time.monotonic() - since)
+        if left > 0:
+            self._arm_partial(left)
+            return
+        self.server.bad_stream(self, "partial_timeout",
+                               f"{self.decoder.partial_bytes} bytes of a frame and no more for"
+                               f" {self.server.partial_timeout_s:g} s")
+        self._close("partial_timeout")
+
+    def stop_reading(self) -> None:
+        if self.transport is not None and not self.closing and not self.read_paused:
+            self.read_paused = True
+            with contextlib.suppress(RuntimeError):
+                self.transport.pause_reading()
+
+    def abort(self) -> None:
+        self._close("shutdown")
+
+
+class WorkerServer:
+    """The listeners and the set of open connections."""
+
+    def __init__(self, dispatcher: Dispatcher, metrics: Metrics, buffers: BufferPool, *,
+                 max_frame_bytes: int, max_connections: int, partial_timeout_s: float) -> None:
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.buffers = buffers
+        self.max_frame_bytes = max_frame_bytes
+        self.max_connections = max_connections
+        self.partial_timeout_s = partial_timeout_s
+        self.connections: dict[int, Connection] = {}
+        self.draining = False
+        self.unix_path: str | None = None
+        self.tcp_address: tuple[str, int] | None = None
+        self._servers: list[asyncio.AbstractServer] = []
+        self._log = _Throttle()
+        dispatcher.connected = lambda conn_id: conn_id in self.connections
+
+    async def listen_tcp(self, host: str, port: int) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        srv = await loop.create_server(lambda: Connection(self, "tcp"), host, port,
+                                       reuse_address=True, backlog=1024)
+        self._servers.append(srv)
+        addr = srv.sockets[0].getsockname()
+        self.tcp_address = (addr[0], addr[1])
+        return self.tcp_address
+
+    async def listen_unix(self, path: str) -> str:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.exists(path) and _is_socket(path):
+                os.unlink(path)  # a stale socket of a previous run
+        srv = await loop.create_unix_server(lambda: Connection(self, "unix"), path, backlog=1024)
+        self._servers.append(srv)
+        self.unix_path = path
+        return path
+
+    def register(self, conn: Connection) -> bool:
+        if self.draining or len(self.connections) >= self.max_connections:
+            self.metrics.connections_refused.inc()
+            self._log.warning("refused", "connection from %s refused: %s", conn.peer,
+                              "draining" if self.draining else
+                              f"{len(self.connections)} connections open, the limit is"
+                              f" {self.max_connections}")
+            return False
+        self.connections[conn.conn_id] = conn
+        self.metrics.connections_total.inc()
+        self.metrics.connections.set(len(self.connections))
+        log.debug("connection %d from %s (%s)", conn.conn_id, conn.peer, conn.kind)
+        return True
+
+    def unregister(self, conn: Connection, reason: str) -> None:
+        if self.connections.pop(conn.conn_id, None) is None:
+            return
+        self.metrics.connections.set(len(self.connections))
+        self.metrics.connections_closed.labels(reason=reason).inc()
+        log.debug("connection %d from %s closed: %s", conn.conn_id, conn.peer, reason)
+
+    def bad_stream(self, conn: Connection, reason: str, detail: str) -> None:
+        self._log.warning((conn.peer, reason), "closing connection from %s: %s (%s)", conn.peer,
+                          reason, detail)
+
+    async def stop_accepting(self) -> None:
+        self.draining = True
+        for srv in self._servers:
+            srv.close()
+        for conn in list(self.connections.values()):
+            conn.stop_reading()
+        for srv in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(srv.wait_closed(), 0.5)
+        self._servers.clear()
+        if self.unix_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix_path)
+
+    def busy_connections(self) -> int:
+        return sum(1 for c in self.connections.values() if c.busy)
+
+    async def close_all(self, grace_s: float = 1.0) -> None:
+        for conn in list(self.connections.values()):
+            conn.abort()
+        deadline = time.monotonic() + grace_s
+        while self.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+
+def _is_socket(path: str) -> bool:
+    import stat
+
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+class _Throttle:
+    """At most one warning per key per 10 s."""
+
+    def __init__(self) -> None:
+        self._last: dict[Any, float] = {}
+
+    def warning(self, key: Any, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e18) < 10.0:
+            return
+        if len(self._last) > 4096:
+            self._last.clear()
+        self._last[key] = now
+        log.warning(msg, *args)
+
+
+# -- /metrics and /healthz --------------------------------------------------------------------
+# A scrape request is a request line and a few headers: anything longer is not Prometheus.
+MAX_HTTP_REQUEST_BYTES = 16 << 10
+HTTP_TIMEOUT_S = 10.0
+
+
+class MetricsServer:
+    """``GET /metrics`` and ``GET /healthz`` over HTTP/1.0-style one-shot connections."""
+
+    def __init__(self, registry: CollectorRegistry, health: Callable[[], tuple[bool, str]],
+                 liveness: Callable[[], tuple[bool, str]] | None = None) -> None:
+        self.registry = registry
+        self.health = health
+        self.liveness = liveness or (lambda: (True, "alive"))
+        self._server: asyncio.AbstractServer | None = None
+        self.address: tuple[str, int] | None = None
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        self._server = await asyncio.start_server(self._handle, host, port,
+                                                  limit=MAX_HTTP_REQUEST_BYTES,
+                                                  reuse_address=True)
+        addr = self._server.sockets[0].getsockname()
+        self.address = (addr[0], addr[1])
+        return self.address
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HTTP_TIMEOUT_S)
+            line = head.split(b"\r\n", 1)[0].decode("latin-1")
+            parts = line.split()
+            method, target = (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
+            path = target.split("?", 1)[0]
+            if method not in ("GET", "HEAD"):
+                status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
+            elif path == "/metrics":
+                status, ctype = "200 OK", CONTENT_TYPE_LATEST
+                body = generate_latest(self.registry)
+            elif path in ("/healthz", "/health", "/ready", "/readyz", "/livez"):
+                ok, text = self.liveness() if path == "/livez" else self.health()
+                status = "200 OK" if ok else "503 Service Unavailable"
+                ctype, body = "text/plain; charset=utf-8", (text + "\n").encode()
+            else:
+                status, ctype, body = "404 Not Found", "text/plain", b"try /metrics or /healthz\n"
+            head_out = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+            writer.write(head_out if method == "HEAD" else head_out + body)
+            await asyncio.wait_for(writer.drain(), HTTP_TIMEOUT_S)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
+                ConnectionError, ValueError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+

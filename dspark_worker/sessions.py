@@ -1,0 +1,277 @@
+"""Sessions, slots and generations: the worker's host-side bookkeeping (docs/contract.md 6.2,
+7.1, 7.2 steps 2 and 4, section 8's lane reservation).
+
+Pure: no sockets, no clocks (callers pass ``now``), no threads, no torch. What it owns:
+
+* the session table: creation, reconnect (resume or re-create), replacement by client name,
+  binding to the connection of the latest accepted HELLO, the seq guard, idle expiry;
+* per session and slot, the generation last seen (serial-number arithmetic on u32, 7.1);
+* the count of ring lanes reserved by all sessions, so a HELLO that does not fit is refused
+  (ST_BUSY) before anything changes.
+
+The rings themselves (windows of projected K/V) are the drafter's ``RingPool``, which only the
+runner touches; a session's ``lanes`` (slot -> lane id) are set by the runner when it allocates
+them, in order with every other ring operation. A table method either raises (a refusal: nothing
+changed) or commits; nothing is half applied.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from protocol.constants import RF_NEED_DRAFT, RF_RELEASE, RF_RESET, SAMPLE_TOP32
+from protocol.errors import BusyError, NoSessionError, StaleSeqError
+from protocol.messages import Hello
+
+HALF_RANGE = 1 << 31  # serial-number arithmetic on u32 (RFC 1982): newer iff 0 < diff < 2**31
+
+
+class Outcome(str, enum.Enum):
+    """What an accepted HELLO did (6.2)."""
+
+    CREATED = "created"
+    RESUMED = "resumed"
+    RECREATED = "recreated"
+
+
+class DropReason(str, enum.Enum):
+    """Why a session and its windows went away (6.2, 7.2 step 7)."""
+
+    REPLACED = "replaced"  # a HELLO under another id with the same client name
+    RECREATED = "recreated"  # a reconnect HELLO whose fields differ from the first
+    EXPIRED = "expired"  # no frame for session_idle_s
+    INTERNAL = "internal"  # the worker failed while applying one of its STEPs
+    SHUTDOWN = "shutdown"
+
+
+class Session:
+    """One engine run's state on the worker."""
+
+    __slots__ = (
+        "alive",
+        "client_name",
+        "conn_id",
+        "created_at",
+        "drafted",
+        "generation",
+        "hello",
+        "lanes",
+        "last_active",
+        "last_seq",
+        "live",
+        "max_slots",
+        "n_live",
+        "rows",
+        "sampled",
+        "session_id",
+        "steps",
+    )
+
+    def __init__(self, session_id: int, hello: Hello, conn_id: int, seq: int,
+                 now: float) -> None:
+        self.session_id = session_id
+        self.hello = hello.without_auth()  # the first HELLO: what a reconnect is compared to
+        self.client_name = hello.client_name
+        self.conn_id = conn_id
+        self.last_seq = seq
+        self.created_at = now
+        self.last_active = now
+        self.max_slots = hello.max_slots
+        self.sampled = hello.sample_mode == SAMPLE_TOP32
+        self.generation = np.zeros(self.max_slots, dtype=np.uint32)  # [max_slots]
+        self.live = np.zeros(self.max_slots, dtype=bool)  # [max_slots] a generation is known
+        self.n_live = 0
+        self.lanes: npt.NDArray[np.int64] | None = None  # [max_slots] lane ids, set by runner
+        self.alive = True
+        self.steps = 0
+        self.rows = 0
+        self.drafted = 0
+
+    def __repr__(self) -> str:
+        return (f"Session({self.session_id:#010x}, client {self.client_name!r},"
+                f" {self.max_slots} slots, {self.n_live} live)")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """7.1 decided for every entry of one STEP, before anything is applied. Arrays are [n_req].
+
+    ``apply``: the entry's rows (or cut) go into its window; ``reset``: its window is cleared
+    first (RF_RESET or a new request); ``release``: RF_RELEASE, the window is freed and the
+    generation forgotten; ``stale``: RS_STALE_GENERATION, nothing of the entry applies;
+    ``need_draft``: it asks for a draft and is not stale."""
+
+    slots: npt.NDArray[np.intp]
+    stale: npt.NDArray[np.bool_]
+    reset: npt.NDArray[np.bool_]
+    release: npt.NDArray[np.bool_]
+    apply: npt.NDArray[np.bool_]
+    need_draft: npt.NDArray[np.bool_]
+
+
+def generation_order(new: npt.ArrayLike, old: npt.ArrayLike) -> npt.NDArray[np.int8]:
+    """Per element: 1 if ``new`` is newer than ``old`` (serial-number arithmetic on u32:
+    ``(new - old) mod 2**32`` in ``[1, 2**31)``), 0 if equal, -1 if older."""
+    diff = (np.asarray(new, dtype=np.uint32) - np.asarray(old, dtype=np.uint32)).astype(np.uint32)
+    out = np.where(diff == 0, 0, np.where(diff < HALF_RANGE, 1, -1))
+    return out.astype(np.int8)
+
+
+def plan_step(session: Session, entries: npt.NDArray[Any]) -> StepPlan:
+    """7.1 for each entry (ENTRY_DTYPE records, already shape-checked). Pure."""
+    slots = entries["slot"].astype(np.intp)
+    gen = entries["generation"]
+    flags = entries["flags"]
+    known = session.live[slots]
+    order = generation_order(gen, session.generation[slots])
+    stale = known & (order < 0)
+    new_request = ~known | (order > 0)
+    release = ((flags & RF_RELEASE) != 0) & ~stale
+    reset = (new_request | ((flags & RF_RESET) != 0)) & ~stale & ~release
+    apply = ~stale & ~release
+    need_draft = ((flags & RF_NEED_DRAFT) != 0) & ~stale
+    return StepPlan(slots, stale, reset, release, apply, need_draft)
+
+
+@dataclass
+class HelloResult:
+    session: Session
+    outcome: Outcome
+    dropped: list[tuple[Session, DropReason]] = field(default_factory=list)
+
+
+class SessionTable:
+    """Every session the worker holds, by id."""
+
+    def __init__(self, *, max_sessions: int, lane_capacity: int, idle_s: float) -> None:
+        self.max_sessions = max_sessions
+        self.lane_capacity = lane_capacity
+        self.idle_s = idle_s
+        self._by_id: dict[int, Session] = {}
+        self.lanes_reserved = 0
+        self._active_slots = 0
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Any:
+        return iter(list(self._by_id.values()))
+
+    def get(self, session_id: int) -> Session | None:
+        return self._by_id.get(session_id)
+
+    @property
+    def active_slots(self) -> int:
+        """Slots with a live generation, over every session."""
+        return self._active_slots
+
+    # -- HELLO (6.2) ------------------------------------------------------------------------------
+    def hello(self, session_id: int, seq: int, hello: Hello, conn_id: int,
+              now: float) -> HelloResult:
+        """Accept a HELLO that passed version, auth, identity, geometry and limits: resume,
+        re-create or create the session. Raises StaleSeqError or BusyError with nothing
+        changed."""
+        existing = self._by_id.get(session_id)
+        clean = hello.without_auth()
+        to_drop: list[tuple[Session, DropReason]] = []
+        if existing is not None:
+            if seq <= existing.last_seq:
+                raise StaleSeqError(
+                    f"session {session_id:#010x}: HELLO seq {seq} is not above the last seq"
+                    f" {existing.last_seq}", field="seq", value=seq, limit=existing.last_seq)
+            if clean == existing.hello:
+                existing.conn_id = conn_id
+                existing.last_seq = seq
+                existing.last_active = now
+                return HelloResult(existing, Outcome.RESUMED)
+            to_drop.append((existing, DropReason.RECREATED))
+            outcome = Outcome.RECREATED
+        else:
+            outcome = Outcome.CREATED
+        if hello.client_name:
+            to_drop.extend((s, DropReason.REPLACED) for s in self._by_id.values()
+                           if s.client_name == hello.client_name and s.session_id != session_id)
+        freed_lanes = sum(s.max_slots for s, _ in to_drop)
+        count_after = len(self._by_id) - len(to_drop) + 1
+        if count_after > self.max_sessions:
+            raise BusyError(f"the worker holds {len(self._by_id)} sessions, its limit is"
+                            f" {self.max_sessions}", field="sessions",
+                            value=len(self._by_id), limit=self.max_sessions)
+        free_lanes = self.lane_capacity - (self.lanes_reserved - freed_lanes)
+        if hello.max_slots > free_lanes:
+            raise BusyError(f"HELLO asks for {hello.max_slots} slots; the ring pool has"
+                            f" {free_lanes} of {self.lane_capacity} free", field="max_slots",
+                            value=hello.max_slots, limit=free_lanes)
+        for s, _ in to_drop:
+            self._remove(s)
+        session = Session(session_id, hello, conn_id, seq, now)
+        self._by_id[session_id] = session
+        self.lanes_reserved += session.max_slots
+        return HelloResult(session, outcome, to_drop)
+
+    # -- frames of a session (7.2 step 2) ---------------------------------------------------------
+    def bound(self, session_id: int, conn_id: int, seq: int) -> Session:
+        """The session, if held and bound to this connection and seq is above its last.
+        Changes nothing."""
+        s = self._by_id.get(session_id)
+        if s is None:
+            raise NoSessionError(f"no session {session_id:#010x}", field="session",
+                                 value=session_id)
+        if s.conn_id != conn_id:
+            raise NoSessionError(f"session {session_id:#010x} belongs to another connection",
+                                 field="session", value=session_id)
+        if seq <= s.last_seq:
+            raise StaleSeqError(f"session {session_id:#010x}: seq {seq} is not above the last"
+                                f" seq {s.last_seq}", field="seq", value=seq, limit=s.last_seq)
+        return s
+
+    @staticmethod
+    def touch(session: Session, seq: int, now: float) -> None:
+        """An accepted frame of the session: its seq and idle clock move."""
+        session.last_seq = seq
+        session.last_active = now
+
+    def commit_step(self, session: Session, plan: StepPlan, entries: npt.NDArray[Any], seq: int,
+                    now: float) -> None:
+        """Record the generations of an accepted STEP (7.1) and its seq."""
+        slots = plan.slots
+        if slots.size:
+            before = int(session.live[slots].sum())
+            keep = plan.apply
+            session.generation[slots[keep]] = entries["generation"][keep]
+            session.live[slots[keep]] = True
+            session.live[slots[plan.release]] = False
+            delta = int(session.live[slots].sum()) - before
+            session.n_live += delta
+            if session.alive and self._by_id.get(session.session_id) is session:
+                self._active_slots += delta
+        session.last_seq = seq
+        session.last_active = now
+        session.steps += 1
+        session.rows += int(entries["n_rows"][plan.apply].sum()) if slots.size else 0
+
+    # -- life -------------------------------------------------------------------------------------
+    def expire(self, now: float) -> list[Session]:
+        """Drop every session idle for ``idle_s`` or longer; return them."""
+        gone = [s for s in self._by_id.values() if now - s.last_active >= self.idle_s]
+        for s in gone:
+            self._remove(s)
+        return gone
+
+    def drop(self, session: Session) -> bool:
+        """Drop the session if it is still the one held under its id; True if it was."""
+        if self._by_id.get(session.session_id) is not session:
+            return False
+        self._remove(session)
+        return True
+
+    def _remove(self, s: Session) -> None:
+        del self._by_id[s.session_id]
+        self.lanes_reserved -= s.max_slots
+        self._active_slots -= s.n_live
+        s.alive = False

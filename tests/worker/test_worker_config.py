@@ -1,0 +1,111 @@
+"""Configuration: TOML file, command-line overrides, messages naming field and value, --help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark_worker import cli
+from dspark_worker.config import (
+    DEFAULT_LISTEN,
+    DEFAULT_WINDOW,
+    ConfigError,
+    WorkerConfig,
+    build_config,
+    frame_limit,
+)
+
+
+def write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "worker.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults() -> None:
+    c = WorkerConfig()
+    assert c.listen == DEFAULT_LISTEN and c.window == DEFAULT_WINDOW and c.device == "auto"
+    assert c.metrics_listen == "127.0.0.1:7601" and c.session_idle_s == 600.0
+    assert c.resolved_worker_name.startswith("dspark@")
+    assert frame_limit(c, 768) == 32 + 48 * c.max_slots + c.max_rows_per_step * 768
+
+
+def test_file_then_command_line(tmp_path: Path) -> None:
+    path = write(tmp_path, 'window = 48\nmax_slots = 8\nworker_name = "from-file"\n'
+                           'listen = "none"\nunix = "/tmp/x.sock"\nsession_idle_s = 30\n'
+                           'warmup = false\n')
+    c = cli.parse_config(["--config", path, "--worker-name", "from-cli", "--max-slots", "4"])
+    assert (c.window, c.max_slots, c.worker_name) == (48, 4, "from-cli")
+    assert c.listen is None and c.unix == "/tmp/x.sock" and c.session_idle_s == 30.0
+    assert c.warmup is False
+    assert cli.parse_config(["--config", path, "--warmup"]).warmup is True
+
+
+def test_every_field_settable_from_file(tmp_path: Path) -> None:
+    text = "\n".join([
+        'checkpoint = "/ckpt"', 'target_checkpoint = "/target"', 'device = "cpu"',
+        'dtype = "float32"', "window = 64", "max_slots = 32", "max_rows_per_step = 128",
+        "max_sessions = 4", "max_total_slots = 64", "max_connections = 8",
+        "max_frame_bytes = 1000000", "session_idle_s = 10.5",
+        "partial_frame_timeout_s = 2", "shed_queue_steps = 3", "shutdown_timeout_s = 5",
+        'listen = "0.0.0.0:9000"', 'unix = "/run/d.sock"', 'metrics_listen = "[::1]:9001"',
+        'worker_name = "w1"', 'auth_secret_file = "/s"', 'port_file = "/p"',
+        'log_level = "debug"', "warmup = false"])
+    c = build_config(write(tmp_path, text))
+    given = {line.split(" = ")[0] for line in text.splitlines()}
+    assert given == set(WorkerConfig.__struct_fields__)  # the file names every field
+    assert c.max_frame_bytes == 1_000_000 and c.metrics_listen == "[::1]:9001"
+
+
+@pytest.mark.parametrize(("text", "field", "value"), [
+    ("window = 0", "window", 0),
+    ("window = 70000", "window", 70000),
+    ('window = "big"', "window", "big"),
+    ("max_slots = -1", "max_slots", -1),
+    ('device = "tpu"', "device", "tpu"),
+    ('listen = "localhost"', "listen", "localhost"),
+    ('listen = "host:99999"', "listen", "host:99999"),
+    ("session_idle_s = 0", "session_idle_s", 0),
+    ('log_level = "loud"', "log_level", "loud"),
+    ("max_frame_bytes = 10", "max_frame_bytes", 10),
+    ('worker_name = "' + "x" * 33 + '"', "worker_name", "x" * 33),
+    ("max_slot = 4", "max_slot", 4),  # a typo: unknown field
+])
+def test_bad_values_name_field_and_value(tmp_path: Path, text: str, field: str,
+                                         value: object) -> None:
+    with pytest.raises(ConfigError) as e:
+        build_config(write(tmp_path, text))
+    assert e.value.field == field and e.value.value == value
+    assert field in str(e.value) and repr(value) in str(e.value)
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        build_config(write(tmp_path, "window = = 3"))
+    with pytest.raises(ConfigError, match="No such file"):
+        build_config(str(tmp_path / "absent.toml"))
+
+
+def test_bad_flag_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.parse_config(["--window", "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "window: 0 is not a positive integer" in err
+
+
+def test_help_lists_every_option() -> None:
+    text = cli.build_parser().format_help()
+    flags = {"--" + f.replace("_", "-") for f in WorkerConfig.__struct_fields__}
+    assert {row[0] for row in cli.OPTIONS} == set(WorkerConfig.__struct_fields__)
+    for flag in flags | {"--config", "--help"}:
+        assert flag in text, flag
+
+
+def test_module_and_console_script_are_one_program() -> None:
+    out = subprocess.run([sys.executable, "-m", "dspark_worker", "--help"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out.startswith("usage: dspark-worker") and "--max-total-slots" in out

@@ -1,0 +1,141 @@
+"""/metrics and /healthz over HTTP (docs/contract.md section 12), parsed with the Prometheus
+text parser; metrics live on the worker's own registry."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+import uvloop
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from worker_harness import ThreadWorker, make_hello, tap_rows, worker_config
+
+from dspark_worker import app as app_module
+from dspark_worker.app import WorkerApp
+from protocol.constants import RF_NEED_DRAFT, ST_IDENTITY, ST_OK
+from protocol.messages import ReqEntry
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(s: dict[Any, float], name: str, **labels: str) -> float:
+    return s.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_move_with_frames(worker: ThreadWorker, drafter: Any) -> None:
+    d = drafter
+    status, text = worker.scrape()
+    assert status == 200
+    before = samples(text)
+    assert value(before, "dspark_worker_ready") == 1
+    assert value(before, "dspark_worker_window_memory_bytes") > 0
+    with worker.connect() as c:
+        assert c.hello(make_hello(d, drafter_identity=bytes(32))).status == ST_IDENTITY
+        assert c.hello(make_hello(d)).status == ST_OK
+        rows = tap_rows(d.row_bytes, 0, 1, 0, 10)
+        entries = [ReqEntry(slot=0, generation=1, anchor_pos=10, anchor_token=3, n_rows=10,
+                            flags=RF_NEED_DRAFT),
+                   ReqEntry(slot=1, generation=1, anchor_pos=10, anchor_token=3,
+                            flags=RF_NEED_DRAFT)]
+        assert c.step(entries, rows, d.row_bytes).status == ST_OK
+        assert c.ping().status == ST_OK
+        _, text = worker.scrape()
+        after = samples(text)
+        assert value(after, "dspark_worker_connections_open") == 1
+    p = "dspark_worker_"
+    assert value(after, p + "frames_total", op="STEP", status="OK") == 1
+    assert value(after, p + "frames_total", op="HELLO", status="IDENTITY") == 1
+    assert value(after, p + "frames_total", op="HELLO", status="OK") == 1
+    assert value(after, p + "frames_total", op="PING", status="OK") == 1
+    assert value(after, p + "hello_refusals_total", status="IDENTITY") == 1
+    assert value(after, p + "request_status_total", status="OK") == 1
+    assert value(after, p + "request_status_total", status="NO_WINDOW") == 1
+    assert value(after, p + "rows_received_total") == 10
+    assert value(after, p + "drafted_positions_total") == d.num_spec
+    assert value(after, p + "received_bytes_total") > 10 * d.row_bytes
+    assert value(after, p + "sent_bytes_total") > 0
+    assert value(after, p + "sessions") == 1 and value(after, p + "active_slots") == 2
+    assert value(after, p + "connections_total") >= 1
+    for stage in ("decode", "queue", "apply", "draft", "encode", "step"):
+        assert value(after, p + "stage_duration_seconds_count", stage=stage) == 1, stage
+        assert value(after, p + "stage_duration_seconds_sum", stage=stage) > 0, stage
+    assert value(after, p + "batch_entries_count") == 1
+    assert value(after, p + "batch_entries_sum") == 1  # one entry drafted (the other had none)
+    info = [k for k in after if k[0] == p + "info"]
+    assert info and dict(info[0][1])["drafter_identity"] == d.drafter_identity.hex()
+
+
+def test_healthz_and_other_paths(worker: ThreadWorker) -> None:
+    assert worker.scrape("/healthz") == (200, "ok\n")
+    assert worker.scrape("/livez") == (200, "alive\n")
+    assert worker.scrape("/nope")[0] == 404
+    req = urllib.request.Request(worker.metrics_url + "/metrics", method="POST", data=b"x")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 405
+    e.value.close()
+
+
+def test_healthz_is_503_until_the_drafter_is_loaded(drafter: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+
+    def slow_load(config: Any) -> Any:
+        gate.wait(20)
+        return drafter
+
+    monkeypatch.setattr(app_module, "load_drafter_for", slow_load)
+    app = WorkerApp(worker_config(), registry=CollectorRegistry())
+    loop = uvloop.new_event_loop()
+    started: asyncio.Future[None] | None = None
+
+    def serve() -> None:
+        nonlocal started
+        asyncio.set_event_loop(loop)
+        started = loop.create_task(app.start())  # type: ignore[assignment]
+        loop.run_forever()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        deadline = 50
+        while app.metrics_address is None and deadline:
+            threading.Event().wait(0.05)
+            deadline -= 1
+        assert app.metrics_address is not None
+        url = f"http://{app.metrics_address[0]}:{app.metrics_address[1]}/healthz"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url, timeout=5)
+        assert e.value.code == 503 and e.value.read() == b"loading\n"
+        e.value.close()
+        live = url.replace("/healthz", "/livez")
+        with urllib.request.urlopen(live, timeout=5) as r:  # alive while it loads
+            assert r.status == 200
+        gate.set()
+        fut = asyncio.run_coroutine_threadsafe(_wait_ready(app), loop)
+        fut.result(20)
+        with urllib.request.urlopen(url, timeout=5) as r:
+            assert r.status == 200
+    finally:
+        gate.set()
+        asyncio.run_coroutine_threadsafe(app.stop(), loop).result(20)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        loop.close()
+
+
+async def _wait_ready(app: WorkerApp) -> None:
+    while not app.ready:
+        await asyncio.sleep(0.01)
+

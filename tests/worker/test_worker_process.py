@@ -1,0 +1,103 @@
+"""The worker as a program (tests.support.worker_proc): config file and flags end to end, TCP and
+Unix sockets, /healthz, logs, SIGTERM draining in-flight STEPs and exiting 0, startup errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from worker_harness import Client, make_hello, tap_rows
+
+from protocol.constants import OP_STEP, RF_NEED_DRAFT, RS_OK, ST_OK
+from protocol.framing import frame
+from protocol.messages import ReqEntry, pack_step
+from tests.support.worker_proc import WorkerStartError, start_worker
+
+
+def test_worker_process_end_to_end(tmp_path: Path, drafter: Any) -> None:
+    d = drafter
+    toml = tmp_path / "worker.toml"
+    toml.write_text('window = 48\nmax_slots = 8\nmax_total_slots = 16\n'
+                    'worker_name = "from-file"\n')
+    sock = str(tmp_path / "w.sock")
+    with start_worker("--config", str(toml), "--worker-name", "from-cli", "--unix", sock,
+                      "--no-warmup") as w:
+        assert w.endpoint is not None and w.endpoint.startswith("tcp://127.0.0.1:")
+        assert w.unix_path == sock and w.unix_endpoint == f"unix://{sock}"
+        with urllib.request.urlopen(f"{w.metrics_url}/healthz", timeout=10) as r:
+            assert r.status == 200
+        assert w.host is not None and w.port is not None
+        c = Client((w.host, w.port))
+        r = c.hello(make_hello(d, window=48, max_slots=8, client_name="proc-test"))
+        assert r.status == ST_OK
+        rep = r.hello()
+        assert (rep.worker_name, rep.window, rep.max_slots) == ("from-cli", 48, 8)  # flag wins
+        rows = tap_rows(d.row_bytes, 0, 1, 0, 10)
+        e = [ReqEntry(slot=0, generation=1, anchor_pos=10, anchor_token=3, n_rows=10,
+                      flags=RF_NEED_DRAFT)]
+        s = c.step(e, rows, d.row_bytes)
+        assert s.status == ST_OK and s.step().status.tolist() == [RS_OK]
+        with Client(sock) as u:
+            assert u.ping(session=0).status == ST_OK
+        # SIGTERM with a STEP just sent: the STEP is answered, then the worker exits 0.
+        c.send_raw(frame(OP_STEP, c.next_seq(), c.session,
+                         pack_step(9, [ReqEntry(slot=0, generation=1, anchor_pos=10,
+                                                anchor_token=4, flags=RF_NEED_DRAFT)],
+                                   b"", d.row_bytes)))
+        w.proc.send_signal(signal.SIGTERM)
+        last = c.recv()
+        assert last.status == ST_OK and last.step().step_id == 9
+        assert w.proc.wait(30) == 0
+        c.close()
+        log = w.log_text()
+    assert "SIGTERM: shutting down" in log
+    assert f"drafter_identity {d.drafter_identity.hex()}" in log
+    assert re.search(r"listening on tcp://127\.0\.0\.1:\d+", log)
+    assert f"listening on unix://{sock}" in log
+    assert re.search(r"ring pool: 16 slots x W 48 = [\d.]+ MiB", log)
+    assert re.search(r"session 0x[0-9a-f]{8} created: client 'proc-test'", log)
+    assert not Path(sock).exists()  # the Unix socket is removed on exit
+
+
+def test_defaults_with_no_options(drafter: Any) -> None:
+    """No options but the harness's: the embedded model, W 1024, 256 slots per session."""
+    with start_worker("--metrics-listen", "none") as w:
+        ports = json.loads((w.log_path.parent / "ports.json").read_text())
+        assert set(ports) == {"listen", "unix", "metrics", "pid"}
+        assert ports["metrics"] is None and ports["unix"] is None and ports["pid"] == w.pid
+        assert w.metrics_url is None and ports["listen"] == f"{w.host}:{w.port}"
+        assert w.host is not None and w.port is not None
+        with Client((w.host, w.port)) as c:
+            r = c.hello(make_hello(drafter, window=1024, max_slots=256, max_rows_per_step=4096))
+            assert r.status == ST_OK
+            rep = r.hello()
+            assert (rep.window, rep.num_spec, rep.max_slots) == (1024, 7, 256)
+            rows = tap_rows(drafter.row_bytes, 0, 1, 0, 40)
+            s = c.step([ReqEntry(slot=0, generation=1, anchor_pos=40, anchor_token=3,
+                                 n_rows=40, flags=RF_NEED_DRAFT)], rows, drafter.row_bytes)
+            assert s.status == ST_OK and s.step().draft_ids.any()
+        assert w.stop() == 0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--checkpoint", "/nonexistent/ckpt"], "cannot load the drafter"),
+    (["--auth-secret-file", "/nonexistent/secret"], "auth_secret_file"),
+])
+def test_startup_errors_exit_1(args: list[str], message: str) -> None:
+    with pytest.raises(WorkerStartError) as e:
+        start_worker(*args, timeout=60)
+    assert "exited with 1" in str(e.value) and message in str(e.value)
+
+
+def test_bad_option_exits_2() -> None:
+    p = subprocess.run([sys.executable, "-m", "dspark_worker", "--max-slots", "zero"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--max-slots" in p.stderr
+

@@ -1,0 +1,140 @@
+"""sessions.py on its own: generations (7.1), the session table (6.2), lane accounting (8)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dspark_worker.sessions import (
+    DropReason,
+    Outcome,
+    SessionTable,
+    generation_order,
+    plan_step,
+)
+from protocol.constants import RF_NEED_DRAFT, RF_RELEASE, RF_RESET
+from protocol.errors import BusyError, NoSessionError, StaleSeqError
+from protocol.messages import ENTRY_DTYPE, Hello
+
+U32 = 1 << 32
+
+
+def hello(max_slots: int = 4, name: str = "", window: int = 32) -> Hello:
+    return Hello(sample_mode=0, window=window, num_spec=7, max_slots=max_slots,
+                 max_rows_per_step=64, row_bytes=768, vocab_size=512, n_taps=3, hidden=128,
+                 drafter_identity=bytes(32), markov_identity=bytes(32), client_name=name)
+
+
+def entries(*rows: tuple[int, int, int]) -> np.ndarray:
+    """(slot, generation, flags) per entry."""
+    e = np.zeros(len(rows), dtype=ENTRY_DTYPE)
+    for i, (slot, gen, flags) in enumerate(rows):
+        e[i]["slot"], e[i]["generation"], e[i]["flags"] = slot, gen, flags
+        e[i]["anchor_pos"] = 10
+    return e
+
+
+@given(old=st.integers(0, U32 - 1), delta=st.integers(0, U32 - 1))
+def test_generation_order_is_serial_number_arithmetic(old: int, delta: int) -> None:
+    new = (old + delta) % U32
+    want = 0 if delta == 0 else (1 if delta < (1 << 31) else -1)
+    assert generation_order(np.array([new], np.uint32), np.array([old], np.uint32))[0] == want
+
+
+def test_generation_wraps() -> None:
+    assert generation_order(0, U32 - 1) == 1  # 0 follows 0xFFFFFFFF
+    assert generation_order(U32 - 1, 0) == -1
+    assert generation_order((1 << 31) - 1, 0) == 1
+    assert generation_order(1 << 31, 0) == -1  # exactly half way is not newer
+
+
+def test_plan_and_commit_step() -> None:
+    t = SessionTable(max_sessions=4, lane_capacity=16, idle_s=60)
+    s = t.hello(7, 1, hello(), conn_id=1, now=0).session
+    e = entries((0, 5, RF_NEED_DRAFT), (1, 9, 0))
+    p = plan_step(s, e)
+    assert p.reset.tolist() == [True, True]  # no state: new requests
+    assert p.stale.tolist() == [False, False]
+    t.commit_step(s, p, e, 2, 1.0)
+    assert s.n_live == 2 and s.last_seq == 2
+
+    e2 = entries((0, 5, 0), (1, 8, RF_NEED_DRAFT), (2, 1, RF_RESET))
+    p2 = plan_step(s, e2)
+    assert p2.reset.tolist() == [False, False, True]  # same, (stale), new
+    assert p2.stale.tolist() == [False, True, False]
+    assert p2.need_draft.tolist() == [False, False, False]  # a stale entry drafts nothing
+    assert p2.apply.tolist() == [True, False, True]
+    t.commit_step(s, p2, e2, 3, 2.0)
+    assert s.generation[:3].tolist() == [5, 9, 1]  # the stale entry changed nothing
+
+    e3 = entries((0, 5, RF_RESET), (1, 9, RF_RELEASE))
+    p3 = plan_step(s, e3)
+    assert p3.reset.tolist() == [True, False] and p3.release.tolist() == [False, True]
+    t.commit_step(s, p3, e3, 4, 3.0)
+    assert s.n_live == 2 and not s.live[1]  # released: generation forgotten
+    p4 = plan_step(s, entries((1, 3, 0)))  # any generation is new again
+    assert p4.reset.tolist() == [True] and not p4.stale.any()
+
+
+def test_hello_create_resume_recreate() -> None:
+    t = SessionTable(max_sessions=4, lane_capacity=16, idle_s=60)
+    r = t.hello(7, 1, hello(), conn_id=1, now=0)
+    assert r.outcome is Outcome.CREATED and t.lanes_reserved == 4
+    with pytest.raises(StaleSeqError):
+        t.hello(7, 1, hello(), conn_id=2, now=0)  # a replay
+    r2 = t.hello(7, 2, hello(), conn_id=2, now=0)
+    assert r2.outcome is Outcome.RESUMED and r2.session is r.session
+    assert r.session.conn_id == 2
+    r3 = t.hello(7, 3, hello(window=64), conn_id=2, now=0)
+    assert r3.outcome is Outcome.RECREATED and r3.session is not r.session
+    assert r3.dropped == [(r.session, DropReason.RECREATED)] and not r.session.alive
+    assert t.lanes_reserved == 4 and len(t) == 1
+
+
+def test_bound_binds_session_to_connection() -> None:
+    t = SessionTable(max_sessions=4, lane_capacity=16, idle_s=60)
+    t.hello(7, 1, hello(), conn_id=1, now=0)
+    assert t.bound(7, 1, 2).session_id == 7
+    with pytest.raises(NoSessionError):
+        t.bound(7, 2, 2)  # another connection
+    with pytest.raises(NoSessionError):
+        t.bound(8, 1, 2)
+    with pytest.raises(StaleSeqError):
+        t.bound(7, 1, 1)
+
+
+def test_replacement_by_client_name_and_capacity() -> None:
+    t = SessionTable(max_sessions=2, lane_capacity=8, idle_s=60)
+    a = t.hello(1, 1, hello(max_slots=6, name="engine-a"), conn_id=1, now=0).session
+    with pytest.raises(BusyError) as e:
+        t.hello(2, 1, hello(max_slots=4, name="engine-b"), conn_id=2, now=0)  # lanes
+    assert e.value.field == "max_slots" and len(t) == 1 and a.alive  # nothing changed
+    # The same client name under a new id: the old session goes first, so it fits.
+    r = t.hello(3, 1, hello(max_slots=8, name="engine-a"), conn_id=3, now=0)
+    assert r.outcome is Outcome.CREATED and r.dropped == [(a, DropReason.REPLACED)]
+    assert not a.alive and t.lanes_reserved == 8
+    t2 = SessionTable(max_sessions=1, lane_capacity=64, idle_s=60)
+    t2.hello(1, 1, hello(), conn_id=1, now=0)
+    with pytest.raises(BusyError) as e2:
+        t2.hello(2, 1, hello(), conn_id=2, now=0)  # session count
+    assert e2.value.field == "sessions"
+
+
+def test_unnamed_sessions_do_not_replace_each_other() -> None:
+    t = SessionTable(max_sessions=4, lane_capacity=16, idle_s=60)
+    t.hello(1, 1, hello(), conn_id=1, now=0)
+    r = t.hello(2, 1, hello(), conn_id=2, now=0)
+    assert r.dropped == [] and len(t) == 2
+
+
+def test_expiry() -> None:
+    t = SessionTable(max_sessions=4, lane_capacity=16, idle_s=10)
+    a = t.hello(1, 1, hello(), conn_id=1, now=0).session
+    b = t.hello(2, 1, hello(), conn_id=2, now=5).session
+    assert t.expire(9.9) == []
+    assert t.expire(10.0) == [a] and not a.alive
+    t.touch(b, 2, 12.0)
+    assert t.expire(20.0) == [] and t.expire(22.0) == [b]
+    assert t.lanes_reserved == 0
