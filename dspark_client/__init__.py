@@ -1,0 +1,56 @@
+"""The engine side of dspark: a torch-free client of a remote DSpark draft worker.
+
+Runs inside an LLM serving engine's rank 0 (vLLM, SGLang, TensorRT-LLM). Layers, bottom up:
+
+* ``transport``: blocking TCP / Unix sockets, scatter-gather send, replies into reused buffers;
+* ``client``: ``RemoteDraftClient`` (session, HELLO, reconnect with backoff, checked STEPs);
+* ``ring`` / ``rounds``: rank 0's ring of the newest W tap rows per slot and ``DraftRounds``,
+  which turns the engine's per-step slot states into STEPs, resyncs and per-slot drafts;
+* ``schedule``: confidence-scheduled verification lengths (DSpark Algorithm 1);
+* ``config`` / ``stats``.
+
+Imports numpy, msgspec and ``protocol`` only: never torch, uvloop, prometheus_client or the
+worker.
+
+In an engine's rank 0::
+
+    client = RemoteDraftClient(RemoteConfig(endpoint="tcp://10.0.0.7:7600", timeout_ms=50),
+                               Hello(sample_mode=SAMPLE_GREEDY, window=W, num_spec=N, ...))
+    rounds = DraftRounds(client)            # connects and HELLOs in the background
+    ...
+    # every engine step, per scheduled slot: the rows committed since the last step
+    res = rounds.run([SlotRequest(slot, generation, anchor_pos, anchor_token, rows=new_rows,
+                                  n_out=N) for ...], release=finished_slots)
+    if res.ok:   # else: target-only this step (never waits past timeout_ms)
+        lengths = schedule_greedy(res.confidence, sps_table, res.num_drafted).lengths
+        ...      # verify res.draft_ids[i, :lengths[i]]
+"""
+
+from .client import RemoteDraftClient, StepOutcome
+from .config import RemoteConfig, RemoteConfigError
+from .ring import TapRing
+from .rounds import DraftRounds, RoundResult, SlotRequest
+from .schedule import ConfidenceHistory, Schedule, SpsTable, schedule_global, schedule_greedy
+from .stats import Stats
+from .transport import EndpointError, TransportError, TransportTimeout, make_client
+
+__all__ = [
+    "ConfidenceHistory",
+    "DraftRounds",
+    "EndpointError",
+    "RemoteConfig",
+    "RemoteConfigError",
+    "RemoteDraftClient",
+    "RoundResult",
+    "Schedule",
+    "SlotRequest",
+    "SpsTable",
+    "Stats",
+    "StepOutcome",
+    "TapRing",
+    "TransportError",
+    "TransportTimeout",
+    "make_client",
+    "schedule_global",
+    "schedule_greedy",
+]

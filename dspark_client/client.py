@@ -1,0 +1,690 @@
+"""Rank 0's client of a draft worker: session, seq, HELLO, background reconnect, and the STEP
+exchange with every reply check of the contract (docs/contract.md sections 5, 6, 7.5 and 9).
+
+Threads. The engine thread calls ``step()``; it never connects and never waits past
+``timeout_ms``. A daemon thread owns connect + HELLO (capped exponential backoff with jitter)
+and hands a ready connection over under the lock; every accepted HELLO starts a new epoch, and
+STEP entries built for an older epoch are refused unsent (7.5). The thread holds only a weak
+reference to the client between attempts (the pattern of vLLM's ``BackgroundResources``): a
+client that the engine drops is collected, and a ``weakref.finalize`` then stops the thread
+and closes the connection.
+
+Replies. A STEP reply is accepted only if it echoes op, session, seq, step_id and every
+generation; its shape matches the STEP; its values keep section 6.3
+(``protocol.validate.check_reply_values``); and, on a sampled session, its proposals keep
+section 9.2 (``protocol.sampled.validate``) and every draw re-derives from (seed, generation,
+position) (``protocol.sampled.check_draws``). A refused reply fails the round: the connection
+is dropped and every slot of the STEP resyncs. A fatal frame status (section 5) disables remote
+drafting for the engine run.
+
+Fork. Threads do not survive ``fork()`` and the lock may be held at that moment, so a client
+used from a process other than the one that made it refuses to run (``disabled_reason`` says
+so): make a new client, with its own ``client_name``, in the child.
+
+Reply arrays returned by ``step()`` are numpy views over the client's reply buffer: they stay
+valid until the next ``step()`` of this client.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import random
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from protocol import wire
+from protocol.auth import sign_hello
+from protocol.constants import STEP_HEADER_SIZE
+from protocol.messages import ENTRY_DTYPE, SampleMeta, reply_layout
+from protocol.sampled import check_draws
+from protocol.sampled import validate as validate_sampled
+from protocol.validate import check_reply_values
+
+from .config import RemoteConfig
+from .stats import Stats
+from .transport import RpcClient, TransportError, TransportTimeout, make_client
+
+__all__ = ["CONNECT_FAIL_LOG_S", "RemoteDraftClient", "StepOutcome"]
+
+log = logging.getLogger("dspark_client")
+
+# While the worker stays unreachable the thread retries every backoff interval, so only the
+# first failure of a run and then one line per CONNECT_FAIL_LOG_S are logged; the counter
+# connect_failures counts them all.
+CONNECT_FAIL_LOG_S: Final = 60.0
+# Reply buffer of a request other than STEP (PING, RESET, STATS JSON); it grows when needed.
+AUX_REPLY_BYTES: Final = 1 << 16
+# The HELLO reply buffer: a HelloReply fits many times over.
+HELLO_REPLY_BYTES: Final = 1 << 12
+_ENTRIES_AT: Final = wire.APP_HEADER_SIZE + STEP_HEADER_SIZE  # entries' offset in a STEP frame
+
+
+@dataclass
+class StepOutcome:
+    """What one STEP gave. ``ok``: ``reply`` passed every check, and ``drafted[i]`` is how
+    many positions entry i carries (``k`` of section 6.3). Not ok: ``reason`` is a short
+    counter key; ``unknown_apply`` means the worker may have applied the STEP without us
+    knowing (timeout, transport error, refused reply), so every slot in it must resync."""
+
+    ok: bool
+    reply: wire.StepReply | None = None
+    reason: str | None = None
+    rtt_us: float = 0.0
+    unknown_apply: bool = False
+    drafted: npt.NDArray[np.int64] | None = None
+    status: int = wire.ST_OK  # the frame status when the worker answered one
+
+
+class _Shared:
+    """State the connect thread and the finalizer share with the client. It holds no reference
+    to the client, so the thread never keeps the client alive."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.ready_event = threading.Event()
+        self.stop = False
+        self.conn: RpcClient | None = None
+
+
+def _shutdown(shared: _Shared) -> None:
+    """The finalizer: stop the thread and close the connection (no reference to the client)."""
+    shared.stop = True
+    shared.wake.set()
+    conn, shared.conn = shared.conn, None
+    if conn is not None:
+        conn.close()
+
+
+def _connect_loop(ref: weakref.ReferenceType[RemoteDraftClient], shared: _Shared) -> None:
+    while not shared.stop:
+        shared.wake.clear()  # before looking at the state: a wake after this is never lost
+        client = ref()
+        if client is None:
+            return
+        try:
+            wait = client._background_tick()
+        except Exception:  # the thread must survive a bug in one attempt
+            log.exception("remote DSpark: connect thread error")
+            wait = 1.0
+        finally:
+            del client
+        if wait is None:
+            return
+        shared.wake.wait(None if math.isinf(wait) else wait)
+
+
+class RemoteDraftClient:
+    """One engine run's client of one draft worker (or of a list of failover endpoints).
+
+    ``hello`` is what this engine sends: geometry, identities, client name. The auth tag is
+    computed here for each HELLO when ``cfg`` has a secret."""
+
+    def __init__(
+        self,
+        cfg: RemoteConfig,
+        hello: wire.Hello,
+        *,
+        stats: Stats | None = None,
+        transport_factory: Callable[..., RpcClient] | None = None,
+        background: bool = True,
+        session: int | None = None,
+    ) -> None:
+        if session is not None and not 0 < session <= 0xFFFFFFFF:
+            raise ValueError(f"session {session} outside 1..2**32-1")
+        self.cfg = cfg
+        self.hello = hello.without_auth()
+        self.stats = stats if stats is not None else Stats()
+        self._factory: Callable[..., RpcClient] = transport_factory or functools.partial(
+            make_client, max_reply_bytes=cfg.max_reply_bytes)
+        self._secret = cfg.secret()
+        self.session = session or secrets.randbits(32) or 1
+        self._shared = _Shared()
+        self._lock = self._shared.lock  # guards session, seq, epoch, conn, ready
+        self._io_lock = threading.Lock()  # one request at a time on the connection
+        self._pid = os.getpid()
+        self._seq = 0
+        self._ready = False
+        self.epoch = 0  # accepted HELLOs so far
+        self.disabled_reason: str | None = None
+        self.worker_info: wire.HelloReply | None = None
+        self.last_error: str | None = None
+        self._endpoints = cfg.all_endpoints
+        self._endpoint_index = 0
+        self._rng = random.Random(secrets.randbits(64))
+        self._backoff_ms = cfg.backoff_ms
+        self._next_attempt = 0.0
+        self._fail_run = 0
+        self._fail_logged = 0.0
+        self._resp = bytearray(self._step_reply_bytes())
+        self._aux = bytearray(AUX_REPLY_BYTES)
+        self._thread: threading.Thread | None = None
+        self._finalizer = weakref.finalize(self, _shutdown, self._shared)
+        if background:
+            self.start_background()
+
+    def _step_reply_bytes(self) -> int:
+        """The largest STEP reply of this session's geometry (a release entry per extra slot
+        is not possible: slots are distinct, so n_req <= max_slots)."""
+        flags = wire.RPF_MARGIN | (wire.RPF_SAMPLED if self.sampled else 0)
+        return wire.APP_HEADER_SIZE + reply_layout(self.hello.max_slots, self.hello.num_spec,
+                                                   flags).size
+
+    def start_background(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_connect_loop, args=(weakref.ref(self), self._shared),
+                name="dspark-client-connect", daemon=True)
+            self._thread.start()
+
+    # -- state ----------------------------------------------------------------------------------
+    @property
+    def sampled(self) -> bool:
+        return self.hello.sample_mode == wire.SAMPLE_TOP32
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self.disabled_reason is None
+
+    @property
+    def disabled(self) -> bool:
+        return self.disabled_reason is not None
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint the next connect tries (the current one while connected)."""
+        return self._endpoints[self._endpoint_index]
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until a HELLO is accepted or the client is disabled (tools and tests; the
+        engine never waits)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.disabled:
+                return False
+            if self.ready:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._shared.ready_event.wait(min(left, 0.05))
+
+    def connection_epoch(self) -> int | None:
+        """The epoch of the ready connection, or None when there is none (one read under the
+        lock, so ready and epoch belong to the same connection)."""
+        if self._forked():
+            return None
+        with self._lock:
+            return self.epoch if self._ready and self.disabled_reason is None else None
+
+    def _next_seq(self) -> int:
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
+    def _forked(self) -> bool:
+        if self._pid == os.getpid():
+            return False
+        if self.disabled_reason is None:
+            # No lock here: the parent's thread may have held it at fork time.
+            self.disabled_reason = (f"client made in pid {self._pid} used in pid {os.getpid()}"
+                                    " after fork; make a new client in this process")
+            self._ready = False
+        return True
+
+    def close(self) -> None:
+        """Stop the connect thread and close the connection. Idempotent."""
+        self._ready = False
+        self._shared.ready_event.clear()
+        if self._pid == os.getpid():
+            with self._lock:
+                self._ready = False
+                self._finalizer()
+        else:
+            self._shared.stop = True
+
+    def __enter__(self) -> RemoteDraftClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _disable(self, reason: str) -> None:
+        self.disabled_reason = reason
+        self.stats.inc("remote_disabled")
+        self.stats.set("disabled_reason", reason)
+        log.error("remote DSpark disabled for this engine run: %s", reason)
+        with self._lock:
+            self._drop_conn_locked()
+        self._shared.wake.set()
+
+    def _drop_conn_locked(self) -> None:
+        conn, self._shared.conn = self._shared.conn, None
+        if conn is not None:
+            conn.close()
+        self._ready = False
+        self._shared.ready_event.clear()
+
+    def new_session(self, reason: str) -> None:
+        """Start a new session and reconnect at once. The HELLO with the new session id makes
+        the worker drop every window of the old one (same client name, 6.2); the epoch change
+        then resyncs every live slot from rank 0's ring. For a worker state that no longer
+        matches rank 0's (RS_STALE_GENERATION, 7.1)."""
+        if self._forked():
+            return
+        with self._lock:  # one critical section: no reader sees the new id on the old connection
+            old = new = self.session
+            while new in (old, 0):
+                new = secrets.randbits(32)
+            self.session = new
+            self._drop_locked(backoff=False)
+        self.last_error = f"new session: {reason}"
+        self.stats.inc("new_sessions")
+        self.stats.inc("disconnects")
+        log.error("remote DSpark: new session %#010x (was %#010x): %s", new, old, reason)
+        self._shared.wake.set()
+
+    def mark_failed(self, reason: str, *, backoff: bool = True) -> None:
+        """Drop the connection; the connect thread reconnects (after a backoff delay unless
+        ``backoff`` is False)."""
+        if self._forked():
+            return
+        self.last_error = reason
+        with self._lock:
+            self._drop_locked(backoff=backoff)
+        self.stats.inc("disconnects")
+        self._shared.wake.set()
+
+    def _drop_locked(self, *, backoff: bool) -> None:
+        self._drop_conn_locked()
+        if backoff:
+            self._schedule_retry_locked()
+        else:
+            self._next_attempt = time.monotonic()
+
+    def _schedule_retry_locked(self) -> float:
+        """Next attempt after the current backoff (with jitter); double the backoff, capped."""
+        base = self._backoff_ms
+        jitter = self.cfg.jitter
+        delay_ms = base * (1.0 + jitter * (2.0 * self._rng.random() - 1.0))
+        self._next_attempt = time.monotonic() + delay_ms / 1000.0
+        self._backoff_ms = min(base * 2.0, self.cfg.backoff_max_ms)
+        return delay_ms / 1000.0
+
+    # -- connect ----------------------------------------------------------------------------------
+    def _signed_hello(self, session: int, seq: int) -> wire.Hello:
+        return sign_hello(self._secret, session, seq, self.hello)
+
+    def connect_now(self) -> bool:
+        """Connect and HELLO once (the connect thread calls this; tools may call it directly
+        with ``background=False``). True when a HELLO was accepted."""
+        if self.disabled or self._forked():
+            return False
+        timeout = self.cfg.connect_timeout_ms / 1000.0
+        endpoint = self.endpoint
+        conn: RpcClient | None = None
+        with self._lock:
+            session = self.session
+        deadline = time.monotonic() + timeout
+        try:
+            conn = self._factory(endpoint)
+            conn.connect(timeout)
+            # One deadline for connect and HELLO together.
+            rep = self._hello_on(conn, session, max(deadline - time.monotonic(), 1e-3))
+            if rep is None:
+                conn.close()
+                return False
+        except (TransportError, wire.WireError, OSError) as e:
+            if conn is not None:
+                conn.close()
+            self._connect_failed(endpoint, e)
+            return False
+        with self._lock:
+            if self._shared.stop:  # closed meanwhile: never hand a connection to a dead client
+                conn.close()
+                return False
+            stale = session != self.session  # new_session() ran meanwhile
+            if not stale:
+                self._drop_conn_locked()
+                self._shared.conn = conn
+                self._ready = True
+                self.epoch += 1
+                epoch = self.epoch
+                self._backoff_ms = self.cfg.backoff_ms
+        if stale:  # HELLO again at once under the new id
+            conn.close()
+            return self.connect_now()
+        self._shared.ready_event.set()
+        self.worker_info = rep
+        self.stats.inc("hellos")
+        self.stats.set("worker", {"name": rep.worker_name, "endpoint": endpoint,
+                                  "max_slots": rep.max_slots,
+                                  "max_rows_per_step": rep.max_rows_per_step,
+                                  "capabilities": rep.capabilities, "resumed": rep.resumed})
+        failed, self._fail_run = self._fail_run, 0
+        log.info("remote DSpark worker %r ready at %s (session %#010x, epoch %d)%s",
+                 rep.worker_name, endpoint, session, epoch,
+                 f" after {failed} failed connect attempts" if failed else "")
+        return True
+
+    def _hello_on(self, conn: RpcClient, session: int, timeout: float) -> wire.HelloReply | None:
+        """HELLO on a fresh connection. Returns the reply when accepted, None when refused
+        fatally (the client is then disabled); raises WireError for a refusal to retry."""
+        seq = self._next_seq()
+        hello = self._signed_hello(session, seq)
+        msg = wire.frame(wire.OP_HELLO, seq, session, hello.pack())
+        buf = bytearray(HELLO_REPLY_BYTES)
+        n = conn.request(msg, buf, timeout)
+        h, body = wire.split_frame(memoryview(buf)[:n])
+        if h.op != wire.OP_HELLO or h.seq != seq or h.session != session:
+            raise wire.WireError(f"HELLO reply echoes op={h.op} seq={h.seq} session="
+                                 f"{h.session:#x}; sent op={wire.OP_HELLO} seq={seq} session="
+                                 f"{session:#x}")
+        rep = wire.HelloReply.unpack(body) if len(body) == wire.HELLO_REP.size else None
+        if h.status != wire.ST_OK:
+            name = wire.FRAME_STATUS_NAMES.get(h.status, str(h.status))
+            if h.status in wire.FATAL_FRAME_STATUS:
+                self._disable(f"HELLO refused: {name}{self._differences(rep)}")
+                return None
+            raise wire.WireError(f"HELLO refused: {name}")
+        if rep is None:
+            raise wire.WireError(f"HELLO reply body is {len(body)} bytes, not"
+                                 f" {wire.HELLO_REP.size}")
+        problems = self._reply_problems(rep)
+        if problems:
+            self._disable("HELLO reply does not match this engine: " + "; ".join(problems))
+            return None
+        return rep
+
+    def _reply_problems(self, rep: wire.HelloReply) -> list[str]:
+        ours = self.hello
+        problems = []
+        if rep.version != ours.version:
+            problems.append(f"version {rep.version} != {ours.version}")
+        if rep.drafter_identity != ours.drafter_identity:
+            problems.append(f"drafter identity {rep.drafter_identity.hex()[:16]}.. !="
+                            f" ours {ours.drafter_identity.hex()[:16]}..")
+        if rep.markov_identity != ours.markov_identity:
+            problems.append(f"markov identity {rep.markov_identity.hex()[:16]}.. !="
+                            f" ours {ours.markov_identity.hex()[:16]}..")
+        for field in ("window", "num_spec", "row_bytes", "vocab_size"):
+            theirs, mine = getattr(rep, field), getattr(ours, field)
+            if theirs != mine:
+                problems.append(f"{field} {theirs} != ours {mine}")
+        if self.sampled and not rep.capabilities & wire.CAP_TOP32:
+            problems.append("worker lacks the dyadic24 top32 capability")
+        if not rep.capabilities & wire.CAP_TAPS_BF16:
+            problems.append("worker lacks the TAPS_BF16 capability")
+        if rep.max_slots < ours.max_slots:
+            problems.append(f"max_slots {rep.max_slots} < ours {ours.max_slots}")
+        if rep.max_rows_per_step < ours.max_rows_per_step:
+            problems.append(f"max_rows_per_step {rep.max_rows_per_step} < ours"
+                            f" {ours.max_rows_per_step}")
+        return problems
+
+    def _differences(self, rep: wire.HelloReply | None) -> str:
+        if rep is None:
+            return ""
+        problems = self._reply_problems(rep)
+        return f" ({'; '.join(problems)})" if problems else ""
+
+    def _connect_failed(self, endpoint: str, e: BaseException) -> None:
+        self.last_error = f"connect {endpoint}: {e}"
+        self.stats.inc("connect_failures")
+        self._fail_run += 1
+        if len(self._endpoints) > 1:
+            self._endpoint_index = (self._endpoint_index + 1) % len(self._endpoints)
+        now = time.monotonic()
+        if self._fail_run == 1:
+            self._fail_logged = now
+            log.warning("remote DSpark connect/HELLO to %s failed: %s", endpoint, e)
+        elif now - self._fail_logged >= CONNECT_FAIL_LOG_S:
+            self._fail_logged = now
+            log.warning("remote DSpark connect/HELLO to %s still failing after %d attempts: %s",
+                        endpoint, self._fail_run, e)
+
+    def _background_tick(self) -> float | None:
+        """One pass of the connect thread: seconds to sleep (inf: until woken), or None to
+        end the thread."""
+        if self.disabled or self._shared.stop:
+            return None
+        if self._ready:
+            return math.inf
+        delay = self._next_attempt - time.monotonic()
+        if delay > 0:
+            return delay
+        if self.connect_now():
+            return math.inf
+        if self.disabled:
+            return None
+        with self._lock:
+            return self._schedule_retry_locked()
+
+    # -- STEP -------------------------------------------------------------------------------------
+    def step(
+        self,
+        buf: bytearray | memoryview,
+        entries: Sequence[wire.ReqEntry],
+        n_rows: int,
+        step_id: int,
+        step_flags: int = 0,
+        epoch: int | None = None,
+        rows: Any = None,
+        sample_meta: list[SampleMeta] | None = None,
+    ) -> StepOutcome:
+        """Send one STEP and check its reply.
+
+        Without ``rows``: ``buf`` is writable and its rows already sit at
+        ``wire.APP_HEADER_SIZE + wire.rows_offset_for(len(entries))``; the headers are written
+        in front of them and the frame goes out as one buffer. With ``rows`` (``n_rows x
+        row_bytes`` bytes, C-contiguous, e.g. a numpy view of a staging buffer): ``buf`` takes
+        only the headers and entries, and the frame goes out as [headers, rows] with
+        scatter-gather, so the rows are neither copied nor written to.
+
+        ``epoch``: the connection epoch the entries were built for; when the connection is
+        newer the STEP is not sent (reason "reconnected": its slots were never resynced).
+        ``sample_meta``: per entry ``(seed, top_k, temperature, top_p)``, overriding the
+        entries' sampling fields."""
+        if self.disabled or self._forked():
+            return StepOutcome(False, reason="disabled")
+        with self._lock:
+            conn = self._shared.conn if self._ready else None
+            session = self.session
+            moved = epoch is not None and self.epoch != epoch
+        if conn is None:
+            return StepOutcome(False, reason="not_ready")
+        if moved:
+            return StepOutcome(False, reason="reconnected")
+        hello = self.hello
+        row_bytes = hello.row_bytes
+        n = len(entries)
+        if n > hello.max_slots:
+            raise ValueError(f"{n} entries, more than max_slots {hello.max_slots}")
+        timeout = self.cfg.timeout_ms / 1000.0
+        t_start = time.perf_counter()
+        ro = wire.pack_step_prefix(buf, wire.APP_HEADER_SIZE, step_id,
+                                   entries if isinstance(entries, list) else list(entries),
+                                   n_rows, row_bytes, step_flags, sample_meta=sample_meta)
+        body_len = ro + n_rows * row_bytes
+        if rows is None:
+            if len(buf) < wire.APP_HEADER_SIZE + body_len:
+                raise ValueError(f"buffer of {len(buf)} bytes cannot hold a"
+                                 f" {wire.APP_HEADER_SIZE + body_len}-byte STEP")
+            parts: tuple[Any, ...] = (memoryview(buf)[:wire.APP_HEADER_SIZE + body_len],)
+        else:
+            nbytes = rows.nbytes if hasattr(rows, "nbytes") else len(rows)
+            if nbytes != n_rows * row_bytes:
+                raise ValueError(f"rows hold {nbytes} bytes, {n_rows} rows of {row_bytes}"
+                                 f" need {n_rows * row_bytes}")
+            parts = (memoryview(buf)[:wire.APP_HEADER_SIZE + ro], rows)
+        # The entries as sent, read back through the protocol's dtype: echo and draw checks
+        # use these columns without a Python loop over the entries.
+        sent = np.frombuffer(buf, dtype=ENTRY_DTYPE, count=n, offset=_ENTRIES_AT)
+        if not self._io_lock.acquire(timeout=timeout):
+            return StepOutcome(False, reason="local_busy")
+        # One deadline for the round: waiting for the connection counts against it.
+        timeout -= time.perf_counter() - t_start
+        try:
+            if timeout <= 0:
+                return StepOutcome(False, reason="local_busy")
+            with self._lock:  # the connection may have been dropped while we packed
+                if self._shared.conn is not conn or self.session != session:
+                    return StepOutcome(False, reason="not_ready")
+            seq = self._next_seq()
+            wire.AppHeader(op=wire.OP_STEP, seq=seq, session=session,
+                           body_len=body_len).pack_into(buf, 0)
+            t0 = time.perf_counter()
+            try:
+                if len(parts) == 1:
+                    size = conn.request(parts[0], self._resp, timeout)
+                else:
+                    size = conn.request_parts(parts, self._resp, timeout)
+            except TransportTimeout:
+                self.stats.inc("step_timeouts")
+                self.mark_failed("STEP timed out")
+                return StepOutcome(False, reason="timeout", unknown_apply=True,
+                                   rtt_us=(time.perf_counter() - t0) * 1e6)
+            except TransportError as e:
+                self.stats.inc("step_transport_errors")
+                self.mark_failed(f"STEP transport: {e}")
+                return StepOutcome(False, reason="transport_error", unknown_apply=True,
+                                   rtt_us=(time.perf_counter() - t0) * 1e6)
+            rtt_us = (time.perf_counter() - t0) * 1e6
+            out = self._check_step_reply(size, seq, session, step_id, entries, sent, rtt_us)
+            counts: dict[str, float] = {"steps": 1, "bytes_sent": wire.APP_HEADER_SIZE + body_len,
+                                        "bytes_received": size}
+            if out.ok and out.reply is not None:
+                counts["steps_ok"] = 1
+                counts["rtt_us_total"] = rtt_us
+                counts["worker_us_total"] = out.reply.worker_us
+                counts["client_us_total"] = (time.perf_counter() - t_start) * 1e6 - rtt_us
+            self.stats.inc_many(counts)
+            return out
+        finally:
+            self._io_lock.release()
+
+    def _check_step_reply(self, size: int, seq: int, session: int, step_id: int,
+                          entries: Sequence[wire.ReqEntry], sent: np.ndarray,
+                          rtt_us: float) -> StepOutcome:
+        hello = self.hello
+        try:
+            h, body = wire.split_frame(memoryview(self._resp)[:size])
+            if h.op != wire.OP_STEP or h.seq != seq or h.session != session:
+                raise wire.WireError(f"reply echoes op={h.op} seq={h.seq} session="
+                                     f"{h.session:#x}; sent op={wire.OP_STEP} seq={seq}"
+                                     f" session={session:#x}")
+        except wire.WireError as e:
+            return self._bad_reply(e, rtt_us)
+        if h.status != wire.ST_OK:
+            return self._refused(h.status, rtt_us)
+        try:
+            reply = wire.StepReply.unpack(body, expect_n_req=len(entries),
+                                          expect_num_spec=hello.num_spec)
+            if reply.step_id != step_id:
+                raise wire.WireError(f"reply step_id {reply.step_id} != sent {step_id}",
+                                     field="step_id", value=reply.step_id, limit=step_id)
+            if self.sampled:
+                self._check_sampled(reply, sent)
+            elif reply.support_ids is not None:
+                raise wire.WireError("sampled arrays in a reply on a greedy session",
+                                     field="flags", value=reply.flags)
+            # The packed entries, not the objects: the check runs vectorised over them, and it
+            # covers the generation echo (6.3).
+            drafted = check_reply_values(reply, sent, vocab_size=hello.vocab_size,
+                                         window=hello.window)
+        except wire.WireError as e:
+            return self._bad_reply(e, rtt_us)
+        return StepOutcome(True, reply=reply, rtt_us=rtt_us, drafted=drafted)
+
+    def _check_sampled(self, reply: wire.StepReply, sent: np.ndarray) -> None:
+        mask, sup, q = reply.sampled_mask, reply.support_ids, reply.proposal_q
+        if mask is None or sup is None or q is None:
+            raise wire.WireError("sampled session reply without sampled q; refusing its drafts",
+                                 field="flags", value=reply.flags)
+        needed = (((sent["flags"] & wire.RF_NEED_DRAFT) != 0)
+                  & ((reply.status == wire.RS_OK) | (reply.status == wire.RS_PARTIAL_WINDOW)))
+        try:
+            validate_sampled(mask, sup, q, reply.draft_ids, needed, self.hello.vocab_size,
+                             sent["top_k"])
+        except wire.WireError:
+            raise
+        except ValueError as exc:  # shape errors of the caller's arrays
+            raise wire.WireError(str(exc)) from exc
+        if mask.any():
+            check_draws(mask, sup, q, reply.draft_ids, sent["seed"], sent["generation"],
+                        sent["anchor_pos"])
+
+    def _bad_reply(self, e: wire.WireError, rtt_us: float) -> StepOutcome:
+        self.stats.inc("bad_replies")
+        self.stats.set("last_bad_reply", str(e))
+        log.warning("remote DSpark: STEP reply refused (round fails, slots resync): %s", e)
+        self.mark_failed(f"bad reply: {e}")
+        return StepOutcome(False, reason="bad_reply", rtt_us=rtt_us, unknown_apply=True)
+
+    def _refused(self, status: int, rtt_us: float) -> StepOutcome:
+        name = wire.FRAME_STATUS_NAMES.get(status, str(status))
+        self.stats.inc(f"step_frame_{name.lower()}")
+        if status in wire.FATAL_FRAME_STATUS:
+            self._disable(f"STEP refused: {name}")
+        elif status in (wire.ST_NO_SESSION, wire.ST_STALE_SEQ):
+            # Not applied; a fresh HELLO on a new connection fixes the session at once.
+            self.mark_failed(f"STEP refused: {name}", backoff=False)
+        elif status == wire.ST_INTERNAL:
+            # The worker dropped the session; HELLO again, after a backoff delay so that a
+            # worker failing every STEP is not hammered.
+            self.mark_failed(f"STEP refused: {name}")
+        elif status not in wire.FRAME_STATUS_NAMES:
+            self.mark_failed(f"STEP answered unknown status {status}")
+            return StepOutcome(False, reason="bad_reply", rtt_us=rtt_us, unknown_apply=True,
+                               status=status)
+        # ST_BUSY: not applied, connection fine; the round fails and the slots resync.
+        return StepOutcome(False, reason=f"frame_{name.lower()}", rtt_us=rtt_us,
+                           unknown_apply=False, status=status)
+
+    # -- tools ------------------------------------------------------------------------------------
+    def simple_request(self, op: int, body: bytes = b"") -> tuple[int, bytes]:
+        """PING / STATS / RESET on the engine's connection (not on the hot path). Returns the
+        frame status and the reply body."""
+        if self._forked():
+            raise TransportError(self.disabled_reason or "forked")
+        with self._lock:
+            conn = self._shared.conn if self._ready else None
+            session = self.session
+        if conn is None:
+            raise TransportError(f"not connected to {self.endpoint}"
+                                 + (f" ({self.last_error})" if self.last_error else ""))
+        timeout = self.cfg.timeout_ms / 1000.0
+        if not self._io_lock.acquire(timeout=timeout):
+            raise TransportTimeout("the connection stayed busy with another request")
+        try:
+            seq = self._next_seq()
+            msg = wire.frame(op, seq, session, body)
+            try:
+                n = conn.request(msg, self._aux, timeout)
+            except TransportError as e:
+                self.mark_failed(f"{wire.AppHeader(op=op).op_name}: {e}")
+                raise
+            h, rb = wire.split_frame(memoryview(self._aux)[:n])
+            if h.op != op or h.seq != seq:
+                self.mark_failed("reply does not echo the request")
+                raise wire.WireError(f"reply echoes op={h.op} seq={h.seq}; sent op={op}"
+                                     f" seq={seq}")
+            return h.status, bytes(rb)
+        finally:
+            self._io_lock.release()
+
+    def __repr__(self) -> str:
+        state = ("disabled" if self.disabled else "ready" if self.ready else "connecting")
+        return (f"RemoteDraftClient({self.endpoint!r}, session={self.session:#010x},"
+                f" epoch={self.epoch}, {state})")

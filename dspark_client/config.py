@@ -1,0 +1,128 @@
+"""The client's configuration: where the worker is, how long to wait, how to back off.
+
+``RemoteConfig`` is one frozen msgspec Struct, validated when it is made (also when it is
+decoded from JSON or a dict with ``RemoteConfig.from_dict``); every refusal names the field and
+the value. Times are milliseconds, as engines configure them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Final
+
+import msgspec
+
+from .transport import DEFAULT_MAX_REPLY_BYTES, EndpointError, parse_endpoint
+
+__all__ = ["DEFAULT_ENDPOINT", "RemoteConfig", "RemoteConfigError", "load_auth_secret"]
+
+DEFAULT_ENDPOINT: Final = "tcp://127.0.0.1:7600"
+# A secret file larger than this is not a secret file (a wrong path, a log): refuse it.
+MAX_SECRET_FILE_BYTES: Final = 64 << 10
+
+
+class RemoteConfigError(ValueError):
+    """A RemoteConfig field holds a value the client cannot run with."""
+
+    def __init__(self, field: str, value: object, why: str) -> None:
+        super().__init__(f"RemoteConfig.{field} = {value!r}: {why}")
+        self.field = field
+        self.value = value
+
+
+class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where the worker is and the client's clocks.
+
+    endpoint: ``tcp://host:port`` or ``unix:///path``.
+    endpoints: further endpoints tried in turn when a connect or HELLO fails (failover). A
+        worker that holds no session for us just starts one, and the epoch change resyncs
+        every slot (7.5).
+    connect_timeout_ms: deadline of one connect plus HELLO (background thread only).
+    timeout_ms: deadline of one STEP round trip; the engine never waits longer (7.5).
+    backoff_ms / backoff_max_ms: reconnect delay after a failure, doubled per failure up to the
+        cap, reset by an accepted HELLO.
+    jitter: each delay is scaled by a uniform factor in ``[1 - jitter, 1 + jitter]`` so that
+        many engines do not reconnect to a restarted worker in lockstep.
+    auth_secret / auth_secret_file: the shared secret of section 11 (at most one of them).
+    max_reply_bytes: largest reply body accepted from the worker.
+    """
+
+    endpoint: str = DEFAULT_ENDPOINT
+    endpoints: tuple[str, ...] = ()
+    connect_timeout_ms: float = 1000.0
+    timeout_ms: float = 100.0
+    backoff_ms: float = 100.0
+    backoff_max_ms: float = 5000.0
+    jitter: float = 0.2
+    auth_secret: bytes | None = None
+    auth_secret_file: str | None = None
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+
+    def __post_init__(self) -> None:
+        for i, ep in enumerate((self.endpoint, *self.endpoints)):
+            field = "endpoint" if i == 0 else f"endpoints[{i - 1}]"
+            try:
+                parse_endpoint(ep)
+            except EndpointError as exc:
+                raise RemoteConfigError(field, ep, str(exc)) from None
+        for field in ("connect_timeout_ms", "timeout_ms", "backoff_ms", "backoff_max_ms"):
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise RemoteConfigError(field, value, "must be a finite number of ms above 0")
+        if self.backoff_max_ms < self.backoff_ms:
+            raise RemoteConfigError("backoff_max_ms", self.backoff_max_ms,
+                                    f"must be at least backoff_ms ({self.backoff_ms})")
+        if not (math.isfinite(self.jitter) and 0.0 <= self.jitter < 1.0):
+            raise RemoteConfigError("jitter", self.jitter, "must be a fraction in [0, 1)")
+        if self.auth_secret is not None and self.auth_secret_file is not None:
+            raise RemoteConfigError("auth_secret_file", self.auth_secret_file,
+                                    "set auth_secret or auth_secret_file, not both")
+        if self.auth_secret is not None and not self.auth_secret:
+            raise RemoteConfigError("auth_secret", self.auth_secret,
+                                    "an empty secret authenticates nothing; leave it unset")
+        if self.auth_secret_file is not None and not self.auth_secret_file:
+            raise RemoteConfigError("auth_secret_file", self.auth_secret_file, "empty path")
+        if self.max_reply_bytes < 1024:
+            raise RemoteConfigError("max_reply_bytes", self.max_reply_bytes,
+                                    "must be at least 1024 bytes")
+
+    @property
+    def all_endpoints(self) -> tuple[str, ...]:
+        """``endpoint`` then ``endpoints``, in the order connects try them."""
+        return (self.endpoint, *self.endpoints)
+
+    def secret(self) -> bytes | None:
+        """The shared secret, reading ``auth_secret_file`` if that is how it is given."""
+        if self.auth_secret_file is not None:
+            return load_auth_secret(self.auth_secret_file)
+        return self.auth_secret
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RemoteConfig:
+        """Build from a plain mapping (JSON, YAML, an engine's config); unknown keys are
+        refused so that a typo does not silently keep a default."""
+        try:
+            return msgspec.convert(raw, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"RemoteConfig: {exc}") from None
+
+
+def load_auth_secret(path: str | os.PathLike[str]) -> bytes:
+    """The secret in a file, without surrounding whitespace (the trailing newline of
+    ``echo secret > file`` or of a Kubernetes secret is not part of it). The worker reads its
+    ``--auth-secret-file`` by the same rule, so one file serves both. An empty file is
+    refused."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        raise RemoteConfigError("auth_secret_file", os.fspath(path),
+                                f"cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise RemoteConfigError("auth_secret_file", os.fspath(path),
+                                f"is over {MAX_SECRET_FILE_BYTES} bytes; not a secret file")
+    data = data.strip()
+    if not data:
+        raise RemoteConfigError("auth_secret_file", os.fspath(path), "holds an empty secret")
+    return data

@@ -1,0 +1,129 @@
+"""Rank 0's ring of the newest W tap rows per slot (docs/contract.md sections 7.5 and 8).
+
+A resync sends a slot's newest ``min(W, anchor_pos)`` rows again, so rank 0 must still hold
+them when the worker has lost them (a reconnect, a new session, a timeout). ``TapRing`` keeps
+them in one preallocated ``uint8 [max_slots, W, row_bytes]`` array; the row of position ``p``
+lives at ``p % W``, and per slot the ring tracks the contiguous run of positions
+``[start, end)`` it holds (``end - start <= W``).
+
+Writes follow the worker's own rule (7.2 step 4), so both sides hold the same run: rows that
+start inside the held run (or right at its end) overwrite from there and the run ends where
+they end; a gap or a start before the run restarts it.
+
+Memory: ``max_slots * W * row_bytes`` bytes (256 slots, W = 128, 25.6 KiB rows: 840 MB). The
+array is made with ``np.empty``, so pages are only touched when rows arrive.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["TapRing"]
+
+
+class TapRing:
+    def __init__(self, max_slots: int, window: int, row_bytes: int) -> None:
+        for name, value in (("max_slots", max_slots), ("window", window),
+                            ("row_bytes", row_bytes)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TapRing {name} {value!r} must be a positive int")
+        self.max_slots = max_slots
+        self.window = window
+        self.row_bytes = row_bytes
+        self.data: npt.NDArray[np.uint8] = np.empty((max_slots, window, row_bytes), np.uint8)
+        # Held run per slot: positions [start, end). start == end: nothing held. Python lists:
+        # the hot path reads one slot at a time, where numpy scalars cost more than ints.
+        self.start: list[int] = [0] * max_slots
+        self.end: list[int] = [0] * max_slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def clear(self, slot: int) -> None:
+        self.start[slot] = self.end[slot] = 0
+
+    def held(self, slot: int) -> tuple[int, int]:
+        """The positions ``[start, end)`` the slot holds."""
+        return self.start[slot], self.end[slot]
+
+    def available(self, slot: int, anchor_pos: int) -> int:
+        """How many rows the slot holds that end exactly at ``anchor_pos`` (at most W)."""
+        start, end = self.start[slot], self.end[slot]
+        if not start <= anchor_pos <= end:
+            return 0
+        return anchor_pos - start
+
+    def write(self, slot: int, first_pos: int, rows: npt.NDArray[Any]) -> None:
+        """Rows ``[n, row_bytes]`` of positions ``[first_pos, first_pos + n)``."""
+        shape = rows.shape
+        if len(shape) != 2 or shape[1] != self.row_bytes:
+            raise ValueError(f"slot {slot}: rows of shape {shape}, expected"
+                             f" [n, {self.row_bytes}]")
+        n = shape[0]
+        if first_pos < 0:
+            raise ValueError(f"slot {slot}: rows start at position {first_pos} < 0")
+        if n == 0:
+            return
+        skip = self.advance(slot, first_pos, n)
+        src = rows[skip:]
+        W = self.window
+        i0 = (first_pos + skip) % W
+        k = src.shape[0]
+        first = min(k, W - i0)
+        ring = self.data[slot]
+        ring[i0:i0 + first] = src[:first]
+        if first < k:
+            ring[:k - first] = src[first:]
+
+    def advance(self, slot: int, first_pos: int, n: int) -> int:
+        """The bookkeeping of ``write`` without the copy: the held run after rows of positions
+        ``[first_pos, first_pos + n)`` arrive. Returns how many of them (from the front) fall
+        out of the window; the caller copies the rest (``scatter``)."""
+        start, end = self.start[slot], self.end[slot]
+        last = first_pos + n
+        # Continue or overwrite inside the held run; a gap, a start before the run, or nothing
+        # held restarts it. Only the newest W rows survive.
+        new_start = start if start < end and start <= first_pos <= end else first_pos
+        new_start = max(new_start, last - self.window)
+        self.start[slot], self.end[slot] = new_start, last
+        return max(0, new_start - first_pos)
+
+    def scatter(self, slots: npt.NDArray[np.int64], positions: npt.NDArray[np.int64],
+                rows: npt.NDArray[np.uint8]) -> None:
+        """Copy ``rows[i]`` to the place of ``positions[i]`` in ``slots[i]``'s ring, for many
+        slots in one call (after ``advance`` for each). Positions within a slot are distinct."""
+        self.data[slots, positions % self.window] = rows
+
+    def truncate(self, slot: int, end_pos: int) -> None:
+        """Forget rows at or after ``end_pos`` (the worker cuts a window that ends after the
+        anchor the same way, 7.2 step 4)."""
+        if self.end[slot] > end_pos:
+            self.end[slot] = max(end_pos, 0)
+            self.start[slot] = min(self.start[slot], self.end[slot])
+
+    def gather(self, slot: int, anchor_pos: int, n: int, out: npt.NDArray[np.uint8]) -> None:
+        """Copy the rows of positions ``[anchor_pos - n, anchor_pos)`` into ``out[:n]``."""
+        start, end = self.start[slot], self.end[slot]
+        first_pos = anchor_pos - n
+        if n < 0 or first_pos < start or anchor_pos > end:
+            raise ValueError(f"slot {slot}: rows [{first_pos}, {anchor_pos}) are not all held"
+                             f" (held [{start}, {end}))")
+        if n == 0:
+            return
+        W = self.window
+        i0 = first_pos % W
+        first = min(n, W - i0)
+        ring = self.data[slot]
+        out[:first] = ring[i0:i0 + first]
+        if first < n:
+            out[first:n] = ring[:n - first]
+
+    def rows(self, slot: int, anchor_pos: int, n: int) -> npt.NDArray[np.uint8]:
+        """A new array with the rows of ``[anchor_pos - n, anchor_pos)`` (tests, tools)."""
+        out = np.empty((n, self.row_bytes), np.uint8)
+        self.gather(slot, anchor_pos, n, out)
+        return out

@@ -1,0 +1,27 @@
+"""bench/bench_client.py keeps working (a short smoke run; the figures come from the script)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_bench() -> Any:
+    path = ROOT / "bench" / "bench_client.py"
+    spec = importlib.util.spec_from_file_location("bench_client", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_smoke() -> None:
+    bench = load_bench()
+    for sampled in (False, True):
+        r = bench.bench_step(8, sampled, 0.01)
+        assert r["median_us"] > 0 and "check_reply_values" in r["parts"]
+    r = bench.bench_rounds(8, False, 0.01)
+    assert r["median_us"] > 0 and r["rows_per_slot"] == 4

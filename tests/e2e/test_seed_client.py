@@ -1,0 +1,176 @@
+"""The engine-side reference client (shared/seeds/004_remote_client_formatted.py) runs UNCHANGED
+against our worker once its relative imports point at our modules.
+
+The seed file is copied into a temporary package with only its import lines rewritten
+(``from . import wire`` -> ``from protocol import wire``, ``.config``/``.stats``/``.transport``
+-> ``dspark_client.*``, ``.sampled_wire`` -> ``protocol.sampled``), imported, and driven through
+HELLO and greedy and sampled STEPs against a real worker process. Its drafts must equal the
+in-process reference drafter's on the same rows. This pins every name the engine code uses:
+RemoteConfig's fields, Stats.inc/set, RpcClient's connect/request/request_parts/close,
+TransportError, TransportTimeout and make_client.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from protocol import wire
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.worker_proc import WorkerProcess, start_worker  # noqa: E402
+
+SEED_CANDIDATES = [
+    Path(os.environ.get("DSPARK_SEEDS", "/work/shared/seeds")) / "004_remote_client_formatted.py",
+    ROOT / "shared" / "seeds" / "004_remote_client_formatted.py",
+]
+REWRITES = [
+    ("from . import wire", "from protocol import wire"),
+    ("from .config import", "from dspark_client.config import"),
+    ("from .stats import", "from dspark_client.stats import"),
+    ("from .transport import", "from dspark_client.transport import"),
+    ("from .sampled_wire import", "from protocol.sampled import"),
+]
+W, N_SLOTS = 16, 4
+
+
+def seed_source() -> str:
+    for path in SEED_CANDIDATES:
+        if path.is_file():
+            return path.read_text()
+    pytest.skip("the seed client file is not present on this machine")
+
+
+@pytest.fixture(scope="module")
+def seed_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    text = seed_source()
+    for old, new in REWRITES:
+        assert old in text, f"the seed no longer contains {old!r}"
+        text = text.replace(old, new)
+    assert "from ." not in text, "a relative import was left unrewritten"
+    pkg = tmp_path_factory.mktemp("seedpkg") / "dspark_seed_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "remote_client.py").write_text(text)
+    sys.path.insert(0, str(pkg.parent))
+    try:
+        yield importlib.import_module("dspark_seed_pkg.remote_client")
+    finally:
+        sys.path.remove(str(pkg.parent))
+        for name in [m for m in sys.modules if m.startswith("dspark_seed_pkg")]:
+            del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def drafter() -> Iterator[Any]:
+    import torch
+
+    from dspark_worker.drafter import load_drafter
+
+    # Two cores shared with the worker process: one intra-op thread keeps the reference drafts
+    # from fighting it (restored afterwards).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_drafter(None)
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[WorkerProcess]:
+    with start_worker("--window", str(W), "--max-slots", "8", "--max-total-slots", "16",
+                      "--device", "cpu") as w:
+        yield w
+
+
+def _hello(drafter: Any, sampled: bool, name: str) -> wire.Hello:
+    return wire.Hello(sample_mode=wire.SAMPLE_TOP32 if sampled else wire.SAMPLE_GREEDY,
+                      window=W, num_spec=drafter.num_spec, max_slots=N_SLOTS,
+                      max_rows_per_step=256, row_bytes=drafter.row_bytes,
+                      vocab_size=drafter.vocab_size, n_taps=drafter.n_taps,
+                      hidden=drafter.target_hidden, drafter_identity=drafter.drafter_identity,
+                      markov_identity=drafter.markov_identity, client_name=name)
+
+
+def _rows(drafter: Any, rng: np.random.Generator, n: int) -> np.ndarray:
+    from dspark_worker.drafter import encode_bf16_rows
+
+    vals = rng.uniform(-2, 2, size=(n, drafter.row_bytes // 2)).astype(np.float32)
+    return np.asarray(encode_bf16_rows(vals))
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_seed_client_hello_and_steps(seed_module: Any, drafter: Any, worker: WorkerProcess,
+                                     sampled: bool) -> None:
+    from dspark_client.config import RemoteConfig
+    from dspark_client.stats import Stats
+    from dspark_worker.drafter import SamplingParams
+
+    assert worker.endpoint is not None
+    cfg = RemoteConfig(endpoint=worker.endpoint, connect_timeout_ms=2000, timeout_ms=2000,
+                       backoff_ms=20, backoff_max_ms=200)
+    stats = Stats()
+    client = seed_module.RemoteDraftClient(cfg, _hello(drafter, sampled, f"seed-{sampled}"),
+                                           stats=stats)
+    try:
+        import time
+        deadline = time.monotonic() + 10
+        while not client.ready and time.monotonic() < deadline:
+            assert client.disabled_reason is None, client.disabled_reason
+            time.sleep(0.01)
+        assert client.ready, client.last_error
+        assert stats.get("hellos") == 1 and client.epoch == 1
+        rng = np.random.default_rng(5 if sampled else 4)
+        N = drafter.num_spec
+        anchors = [9, 20]
+        history = [_rows(drafter, rng, a) for a in anchors]
+        buf = bytearray(1 << 16)
+        for step_id in (1, 2, 3):
+            entries, parts = [], []
+            meta: list[tuple[int, int, float, float]] = []
+            for slot, a in enumerate(anchors):
+                if step_id == 1:
+                    n = min(W, a)
+                    flags = wire.RF_NEED_DRAFT | wire.RF_RESET
+                else:
+                    n = 3
+                    history[slot] = np.concatenate([history[slot], _rows(drafter, rng, n)])
+                    anchors[slot] = a = a + n
+                    flags = wire.RF_NEED_DRAFT
+                parts.append(history[slot][a - n:a])
+                entries.append(wire.ReqEntry(slot=slot, generation=1, anchor_pos=a,
+                                             anchor_token=7 + slot, n_rows=n, n_out=0,
+                                             flags=flags))
+                meta.append((100 + slot, 8 if slot == 0 else 0, 0.8, 0.9))
+            rows = np.ascontiguousarray(np.concatenate(parts))
+            out = client.step(buf, entries, rows.shape[0], step_id, epoch=client.epoch,
+                              rows=rows, sample_meta=meta if sampled else None)
+            assert out.ok, (out.reason, stats.get("last_bad_reply"))
+            reply = out.reply
+            assert reply.status.tolist() == [wire.RS_OK, wire.RS_OK]
+            sampling = None
+            if sampled:
+                sampling = SamplingParams(top_k=[m[1] for m in meta],
+                                          temperature=[m[2] for m in meta],
+                                          top_p=[m[3] for m in meta],
+                                          seed=[m[0] for m in meta], generation=[1, 1])
+            ref = drafter.reference_draft([h[max(0, a - W):a] for h, a in zip(history, anchors,
+                                                                              strict=True)],
+                                          anchors, [7, 8], sampling=sampling)
+            assert reply.draft_ids.tolist() == ref.draft_ids[:, :N].tolist()
+            assert np.allclose(reply.confidence, ref.confidence, atol=1e-4)
+        status, body = client.simple_request(wire.OP_STATS)
+        assert status == wire.ST_OK and b"worker_name" in body
+    finally:
+        client.close()
