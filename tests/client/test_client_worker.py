@@ -10,9 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-pytest.importorskip("torch")
-
 from real_engine import RealEngine, free_port, hello_for
 
 from dspark_client.client import RemoteDraftClient

@@ -185,3 +185,14 @@ def test_a_refused_hello_reply_still_decodes() -> None:
     assert h.status in wire.FATAL_FRAME_STATUS
     assert len(body) == wire.HELLO_REP.size
     assert wire.HelloReply.unpack(body).drafter_identity.hex() == "01" * 32
+
+
+def test_seed_copy_is_verbatim() -> None:
+    """The copy kept with the tests is the design folder's file, byte for byte, where the design
+    folder lies beside the checkout (as in CI)."""
+    original = (Path(__file__).resolve().parents[3] / "shared" / "seeds"
+                / "004_remote_client_formatted.py")
+    if original.is_file():
+        assert SEED.read_bytes() == original.read_bytes()
+    else:
+        assert "class RemoteDraftClient" in SEED.read_text(encoding="utf-8")
