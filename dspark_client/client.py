@@ -161,7 +161,8 @@ class RemoteDraftClient:
         self.worker_info: wire.HelloReply | None = None
         self.last_error: str | None = None
         self._endpoints = cfg.all_endpoints
-        self._endpoint_index = 0
+        self._endpoint_index = cfg.home_index(hello.client_name)
+        self._endpoint_failures = 0  # failed connects in a row on the current endpoint
         self._rng = random.Random(secrets.randbits(64))
         self._backoff_ms = cfg.backoff_ms
         self._next_attempt = 0.0
@@ -373,6 +374,7 @@ class RemoteDraftClient:
                                   "max_rows_per_step": rep.max_rows_per_step,
                                   "capabilities": rep.capabilities, "resumed": rep.resumed})
         failed, self._fail_run = self._fail_run, 0
+        self._endpoint_failures = 0
         log.info("remote DSpark worker %r ready at %s (session %#010x, epoch %d)%s",
                  rep.worker_name, endpoint, session, epoch,
                  f" after {failed} failed connect attempts" if failed else "")
@@ -439,12 +441,28 @@ class RemoteDraftClient:
         problems = self._reply_problems(rep)
         return f" ({'; '.join(problems)})" if problems else ""
 
+    def _fail_over(self, endpoint: str) -> None:
+        """Move to the next endpoint under a new session id: the next worker starts a session
+        with empty windows, and a worker we come back to later never resumes windows that went
+        stale meanwhile (every slot resyncs after the HELLO, 7.5)."""
+        self._endpoint_failures = 0
+        self._endpoint_index = (self._endpoint_index + 1) % len(self._endpoints)
+        with self._lock:
+            old = new = self.session
+            while new in (old, 0):
+                new = secrets.randbits(32)
+            self.session = new
+        self.stats.inc("failovers")
+        log.warning("remote DSpark: %s unreachable, failing over to %s (session %#010x)",
+                    endpoint, self.endpoint, new)
+
     def _connect_failed(self, endpoint: str, e: BaseException) -> None:
         self.last_error = f"connect {endpoint}: {e}"
         self.stats.inc("connect_failures")
         self._fail_run += 1
-        if len(self._endpoints) > 1:
-            self._endpoint_index = (self._endpoint_index + 1) % len(self._endpoints)
+        self._endpoint_failures += 1
+        if len(self._endpoints) > 1 and self._endpoint_failures >= self.cfg.failover_after:
+            self._fail_over(endpoint)
         now = time.monotonic()
         if self._fail_run == 1:
             self._fail_logged = now

@@ -7,6 +7,7 @@ the value. Times are milliseconds, as engines configure them.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from typing import Any, Final
@@ -35,9 +36,12 @@ class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Where the worker is and the client's clocks.
 
     endpoint: ``tcp://host:port`` or ``unix:///path``.
-    endpoints: further endpoints tried in turn when a connect or HELLO fails (failover). A
-        worker that holds no session for us just starts one, and the epoch change resyncs
-        every slot (7.5).
+    endpoints: further workers for failover. With several, the client starts on the one picked
+        by a stable hash of its client name (so engines spread over the list and each comes back
+        to the same worker after a restart) and moves to the next after ``failover_after``
+        failed connects or HELLOs in a row there, under a new session: the new worker starts
+        one with empty windows and the epoch change resyncs every slot (7.5).
+    failover_after: consecutive failed connects on one endpoint before moving to the next.
     connect_timeout_ms: deadline of one connect plus HELLO (background thread only).
     timeout_ms: deadline of one STEP round trip; the engine never waits longer (7.5).
     backoff_ms / backoff_max_ms: reconnect delay after a failure, doubled per failure up to the
@@ -50,6 +54,7 @@ class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     endpoint: str = DEFAULT_ENDPOINT
     endpoints: tuple[str, ...] = ()
+    failover_after: int = 2
     connect_timeout_ms: float = 1000.0
     timeout_ms: float = 100.0
     backoff_ms: float = 100.0
@@ -66,6 +71,9 @@ class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 parse_endpoint(ep)
             except EndpointError as exc:
                 raise RemoteConfigError(field, ep, str(exc)) from None
+        if isinstance(self.failover_after, bool) or self.failover_after < 1:
+            raise RemoteConfigError("failover_after", self.failover_after,
+                                    "must be an integer >= 1")
         for field in ("connect_timeout_ms", "timeout_ms", "backoff_ms", "backoff_max_ms"):
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -89,8 +97,14 @@ class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     @property
     def all_endpoints(self) -> tuple[str, ...]:
-        """``endpoint`` then ``endpoints``, in the order connects try them."""
+        """``endpoint`` then ``endpoints``: the failover ring."""
         return (self.endpoint, *self.endpoints)
+
+    def home_index(self, client_name: str) -> int:
+        """Where in ``all_endpoints`` a client of this name starts: a stable hash of the name
+        (SHA-256, not Python's salted ``hash``), the same in every process and on every host."""
+        digest = hashlib.sha256(client_name.encode("utf-8")).digest()
+        return int.from_bytes(digest[:8], "little") % len(self.all_endpoints)
 
     def secret(self) -> bytes | None:
         """The shared secret, reading ``auth_secret_file`` if that is how it is given."""

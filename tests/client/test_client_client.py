@@ -164,9 +164,13 @@ def test_failover_to_the_next_endpoint(fw: FakeWorker) -> None:
     s.bind(("127.0.0.1", 0))
     dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     s.close()
-    c = RemoteDraftClient(cfg(dead, endpoints=(fw.endpoint,)), make_hello())
+    config = cfg(dead, endpoints=(fw.endpoint,), failover_after=3)
+    # a client name whose home (stable hash) is the dead endpoint
+    name = next(f"e{i}" for i in range(100) if config.home_index(f"e{i}") == 0)
+    c = RemoteDraftClient(config, make_hello(client_name=name))
     assert c.wait_ready(3.0)
-    assert c.endpoint == fw.endpoint and c.stats.get("connect_failures") >= 1
+    assert c.endpoint == fw.endpoint
+    assert c.stats.get("connect_failures") == 3 and c.stats.get("failovers") == 1
     c.close()
 
 

@@ -230,3 +230,65 @@ def test_auth_secret_file_shared_with_the_worker(tmp_path: Any, drafter: Any) ->
         assert not bad.wait_ready(10.0)
         assert "HELLO refused: AUTH" in (bad.disabled_reason or "")
         bad.close()
+
+
+def test_failover_between_two_real_workers(drafter: Any) -> None:
+    """Engines spread over a list of workers by a stable hash of their client name; when its
+    worker dies, an engine moves to the next one under a new session, every slot resyncs, and
+    drafts equal the reference again."""
+    workers = [start_worker(*WORKER_ARGS) for _ in range(2)]
+    endpoints = [w.endpoint for w in workers]
+    assert all(endpoints)
+    # Two client names whose hashes pick different workers: each engine starts on its own.
+    base = RemoteConfig(endpoint=str(endpoints[0]), endpoints=(str(endpoints[1]),))
+    names = [f"engine-{i}" for i in range(64)]
+    by_home = {base.home_index(n): n for n in names}
+    assert set(by_home) == {0, 1}, "the hash should spread 64 names over two workers"
+    assert base.home_index(by_home[1]) == 1  # stable: the same answer every time
+    clients: list[RemoteDraftClient] = []
+    try:
+        for home in (0, 1):
+            c, rounds = open_rounds(str(endpoints[0]), drafter, name=by_home[home],
+                                    endpoints=(str(endpoints[1]),), timeout_ms=500)
+            clients.append(c)
+            assert c.endpoint == endpoints[home]
+            assert c.worker_info is not None
+        c = clients[1]  # the engine on worker 1
+        rounds = DraftRounds(c)
+        eng = RealEngine(rounds, drafter, seed=21)
+        for s in range(3):
+            eng.admit(s, 12 + 5 * s)
+        reqs, res = eng.run([0, 1, 2])
+        assert res.ok
+        eng.check(reqs, res)
+        for s in range(3):
+            eng.accept(s, 2)
+        session_before = c.session
+        workers[1].kill()
+        deadline = time.monotonic() + 10
+        while True:  # target-only rounds until the client is on worker 0, never blocking
+            assert time.monotonic() < deadline, c.last_error
+            t0 = time.monotonic()
+            reqs, res = eng.run([0, 1, 2])
+            assert time.monotonic() - t0 < 0.5 + 0.2
+            if res.ok:
+                break
+            for s in range(3):
+                eng.accept(s, 1)
+            time.sleep(0.01)
+        assert c.endpoint == endpoints[0]
+        assert c.session != session_before and c.stats.get("failovers") == 1
+        assert res.resynced == 3  # every slot resyncs on the new worker
+        eng.check(reqs, res)
+        for s in range(3):
+            eng.accept(s, 3)
+        reqs, res = eng.run([0, 1, 2])
+        assert res.ok and res.resynced == 0
+        eng.check(reqs, res)
+        # The engine that lived on worker 0 all along never moved.
+        assert clients[0].endpoint == endpoints[0] and clients[0].stats.get("failovers", 0) == 0
+    finally:
+        for cl in clients:
+            cl.close()
+        for w in workers:
+            w.stop()
