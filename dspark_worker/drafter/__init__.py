@@ -3,7 +3,8 @@ CONTRACT 7.2 steps 4-6, 8 and 9). No networking and no asyncio: the runner calls
 
 The worker's entry points:
 
-- :func:`load_drafter` (``None`` checkpoint: :func:`embedded_default`) -> :class:`Drafter`
+- :func:`load_drafter` (``None`` checkpoint: :func:`embedded_default`, the shipped reference
+  drafter) -> :class:`Drafter`
 - :meth:`Drafter.new_pool` -> :class:`RingPool`: ``allocate`` / ``free`` lanes, ``apply`` the
   rows of a STEP, ``release`` windows, ``window_rows``
 - :meth:`Drafter.draft` -> :class:`DraftResult` (``SamplingParams`` for sampled sessions)
@@ -19,6 +20,8 @@ from .drafter import (
     embedded_identities,
     from_tensors,
     load_drafter,
+    random_default,
+    random_identities,
 )
 from .embedded import EMBEDDED_CONFIG, random_tensors
 from .model import DrafterModel
@@ -45,6 +48,8 @@ __all__ = [
     "load_config",
     "load_drafter",
     "parse_config",
+    "random_default",
+    "random_identities",
     "random_tensors",
     "save_checkpoint",
 ]

@@ -9,6 +9,7 @@ only synchronisation of a draft is the final download.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from protocol import sampled as protocol_sampled
-from protocol.identity import identities_from_arrays
+from protocol.identity import identities_from_arrays, identities_from_checkpoint
 
 from .checkpoint import load_checkpoint, tensor_records
 from .config import DrafterConfig
@@ -27,6 +28,10 @@ from .embedded import EMBEDDED_CONFIG, EMBEDDED_SEED, random_tensors
 from .model import ContextSource, DenseContext, DrafterModel, build_model
 from .rings import RingPool, decode_bf16_rows
 from .walk import DeviceSampling, markov_walk
+
+log = logging.getLogger("dspark.worker.drafter")
+# The reference drafter shipped with the package: the embedded default.
+REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 
 MAX_TOP_K = protocol_sampled.MAX_TOP_K
 
@@ -392,14 +397,35 @@ def from_tensors(config: DrafterConfig, tensors: dict[str, torch.Tensor], *,
 
 def embedded_default(device: str | torch.device = "cpu",
                      dtype: torch.dtype | None = None) -> Drafter:
-    """The tiny built-in drafter (random weights from a fixed seed): the worker runs with no
-    checkpoint. Its identities are those of its fp32 tensors, as ``save_checkpoint`` writes
-    them."""
+    """The drafter the worker serves with no checkpoint: the reference drafter shipped in
+    ``reference/`` (trained against the reference target of ``dspark_client.demo``, see
+    ``tools/train_reference_pair.py``). Its identities are those of the shipped files."""
+    if not (REFERENCE_DIR / "config.json").is_file():
+        log.warning("the reference drafter is missing from %s (a stripped install?); serving"
+                    " random weights instead", REFERENCE_DIR)
+        return random_default(device=device, dtype=dtype)
+    drafter = load_drafter(REFERENCE_DIR, device=device, dtype=dtype)
+    drafter.source = "embedded"
+    return drafter
+
+
+def random_default(device: str | torch.device = "cpu",
+                   dtype: torch.dtype | None = None) -> Drafter:
+    """A tiny drafter with random weights from a fixed seed (``EMBEDDED_CONFIG``): the same bytes,
+    and so the same identities, on every machine. Its identities are those of its fp32 tensors,
+    as ``save_checkpoint`` writes them."""
     return from_tensors(EMBEDDED_CONFIG, random_tensors(EMBEDDED_CONFIG, EMBEDDED_SEED),
-                        device=device, dtype=dtype, source="embedded")
+                        device=device, dtype=dtype, source="random")
 
 
 def embedded_identities() -> tuple[bytes, bytes]:
-    """(drafter_identity, markov_identity) of the embedded default, without building a model."""
+    """(drafter_identity, markov_identity) of the embedded default, from its files."""
+    if not (REFERENCE_DIR / "config.json").is_file():
+        return random_identities()
+    return identities_from_checkpoint(REFERENCE_DIR)
+
+
+def random_identities() -> tuple[bytes, bytes]:
+    """(drafter_identity, markov_identity) of ``random_default``, without building a model."""
     tensors = random_tensors(EMBEDDED_CONFIG, EMBEDDED_SEED)
     return identities_from_arrays(tensor_records(tensors))

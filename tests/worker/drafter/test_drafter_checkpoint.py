@@ -17,13 +17,15 @@ from dspark_worker.drafter import (
     CheckpointError,
     Drafter,
     DrafterConfigError,
-    embedded_default,
     embedded_identities,
     load_drafter,
     parse_config,
+    random_default,
+    random_identities,
     random_tensors,
     save_checkpoint,
 )
+from dspark_worker.drafter.drafter import REFERENCE_DIR
 from dspark_worker.drafter.embedded import EMBEDDED_SEED
 from dspark_worker.drafter.model import expected_shapes
 from protocol.identity import identities_from_checkpoint
@@ -335,22 +337,32 @@ def test_confidence_temperatures() -> None:
 # -- embedded default -----------------------------------------------------------------------------
 
 
-def test_embedded_default(tmp_path: Path) -> None:
+def test_embedded_default_is_the_shipped_reference_drafter(tmp_path: Path) -> None:
     drafter = load_drafter(None)
     assert drafter.source == "embedded"
     c = drafter.config
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
             c.head_dim, c.vocab_size, c.n_taps, c.target_hidden_size, c.block_size,
-            c.mask_token_id, c.markov_rank) == (128, 2, 4, 2, 32, 512, 3, 128, 7, 511, 32)
+            c.mask_token_id, c.markov_rank) == (128, 2, 4, 2, 32, 260, 3, 128, 7, 259, 64)
     assert drafter.row_bytes == 3 * 128 * 2
     ids = (drafter.drafter_identity, drafter.markov_identity)
-    assert ids == embedded_identities()
-    assert ids == (embedded_default().drafter_identity, embedded_default().markov_identity)
-    # the same identities a client computes from the files the embedded default saves to
+    assert ids == embedded_identities() == identities_from_checkpoint(REFERENCE_DIR)
+    # pinned: the shipped files do not change unless the pair is retrained on purpose
+    assert ids[0].hex() == REFERENCE_DRAFTER_ID and ids[1].hex() == REFERENCE_MARKOV_ID
+    # saved again from the loaded model, the files give the same identities
     save_checkpoint(drafter.model, tmp_path)
     assert identities_from_checkpoint(tmp_path) == ids
-    assert parse_config(json.loads((tmp_path / "config.json").read_text())) == EMBEDDED_CONFIG
+    assert parse_config(json.loads((tmp_path / "config.json").read_text())) == c
     drafter.warmup()
+
+
+def test_random_default(tmp_path: Path) -> None:
+    drafter = random_default()
+    assert drafter.source == "random" and drafter.config == EMBEDDED_CONFIG
+    ids = (drafter.drafter_identity, drafter.markov_identity)
+    assert ids == random_identities()
+    save_checkpoint(drafter.model, tmp_path)
+    assert identities_from_checkpoint(tmp_path) == ids
 
 
 def test_embedded_weights_are_fixed_bytes() -> None:
@@ -358,7 +370,7 @@ def test_embedded_weights_are_fixed_bytes() -> None:
     tensors = random_tensors(EMBEDDED_CONFIG, EMBEDDED_SEED)
     first = tensors["fc.weight"].reshape(-1)[:3].tolist()
     assert first == pytest.approx(FC_FIRST, abs=0)
-    drafter_id, markov_id = embedded_identities()
+    drafter_id, markov_id = random_identities()
     assert drafter_id.hex() == EMBEDDED_DRAFTER_ID
     assert markov_id.hex() == EMBEDDED_MARKOV_ID
 
@@ -366,3 +378,5 @@ def test_embedded_weights_are_fixed_bytes() -> None:
 FC_FIRST = [-0.055379558354616165, 0.054598577320575714, 0.07711483538150787]
 EMBEDDED_DRAFTER_ID = "cb6e7901f8031e3feed6e324d09f17c560005b415eb0880bc5ca3c8566bcc2bf"
 EMBEDDED_MARKOV_ID = "9ed50ff0e6769fd14b1396637ecee82aa336aaf38452b51ee7a5079459ecca52"
+REFERENCE_DRAFTER_ID = "c01919f5e8816dde4e4320d723403b313a469b0bf7a4240caf0a2918d83a655a"
+REFERENCE_MARKOV_ID = "86c96138dafc97bbdf0f7768a70f1c4e30c2cb1b0417dd39d2ca75860c7a4fa7"
