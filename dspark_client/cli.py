@@ -6,6 +6,8 @@
     stats                STATS, print the worker's JSON (pretty)
     reset [SLOT ...]     HELLO a session of our own, then RESET those slots (all when none)
     bench [...]          drive the worker with synthetic rows, print RTT percentiles and rates
+    demo [...]           speculative decoding with the reference pair (needs torch); starts a
+                         worker on loopback unless an endpoint is given
 
 Commands that HELLO (reset, bench) first learn the worker's geometry: a probe HELLO is
 answered with a HelloReply that carries the worker's own W, N, row_bytes, vocab_size,
@@ -63,7 +65,7 @@ def _conn_error(message: str) -> CliError:
 # -- plumbing ------------------------------------------------------------------------------------
 class Ctx:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.endpoint: str = args.endpoint
+        self.endpoint: str = args.endpoint or DEFAULT_ENDPOINT
         self.timeout: float = args.timeout
         self.secret: bytes | None = (load_auth_secret(args.auth_secret_file)
                                      if args.auth_secret_file else None)
@@ -369,7 +371,7 @@ def _slot(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-client",
                                 description="Talk to a DSpark draft worker.")
-    p.add_argument("--endpoint", default=os.environ.get("DSPARK_ENDPOINT", DEFAULT_ENDPOINT),
+    p.add_argument("--endpoint", default=os.environ.get("DSPARK_ENDPOINT"),
                    help="tcp://HOST:PORT or unix:///PATH (default: $DSPARK_ENDPOINT or"
                         f" {DEFAULT_ENDPOINT})")
     p.add_argument("--timeout", type=_positive_float, default=2.0,
@@ -392,10 +394,38 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    demo = sub.add_parser("demo", help="speculative decoding with the reference target and"
+                                       " pair drafter (torch); starts a worker if no endpoint")
+    demo.add_argument("--prompt", default=None, help="text to continue (default: Python code)")
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=200)
+    demo.add_argument("--temperature", type=float, default=0.0,
+                      help="0: greedy; > 0: sampled with exact rejection sampling")
+    demo.add_argument("--batch", type=_positive_int, default=1, help="sequences at once")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--target", default=None,
+                      help="a reference target folder (default: the one shipped)")
     return p
 
 
-COMMANDS = {"ping": cmd_ping, "stats": cmd_stats, "reset": cmd_reset, "bench": cmd_bench}
+def cmd_demo(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        from .demo.run import DEFAULT_PROMPT, run_demo
+    except ImportError as exc:  # torch is optional for the client
+        raise _conn_error(f"the demo needs torch: {exc}") from None
+    if args.prompt is None:
+        args.prompt = DEFAULT_PROMPT
+    if args.temperature < 0:
+        raise _conn_error(f"--temperature {args.temperature} is negative")
+
+    def hello_for(endpoint: str, sampled: bool) -> wire.Hello:
+        ctx.endpoint = endpoint
+        return discover(ctx, sampled=sampled, client_name="dspark-demo")
+
+    return run_demo(hello_for, args, out)
+
+
+COMMANDS = {"ping": cmd_ping, "stats": cmd_stats, "reset": cmd_reset, "bench": cmd_bench,
+            "demo": cmd_demo}
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
