@@ -14,8 +14,10 @@ worker.
 
 In an engine's rank 0::
 
+    hello = hello_from_checkpoint("/models/dspark-qwen3-8b", window=W, max_slots=256,
+                                  client_name="vllm-dp0@host-a")
     client = RemoteDraftClient(RemoteConfig(endpoint="tcp://10.0.0.7:7600", timeout_ms=50),
-                               Hello(sample_mode=SAMPLE_GREEDY, window=W, num_spec=N, ...))
+                               hello)
     rounds = DraftRounds(client)            # connects and HELLOs in the background
     ...
     # every engine step, per scheduled slot: the rows committed since the last step
@@ -28,6 +30,7 @@ In an engine's rank 0::
 
 from .client import RemoteDraftClient, StepOutcome
 from .config import RemoteConfig, RemoteConfigError
+from .hello import hello_from_checkpoint
 from .ring import TapRing
 from .rounds import DraftRounds, RoundResult, SlotRequest
 from .schedule import ConfidenceHistory, Schedule, SpsTable, schedule_global, schedule_greedy
@@ -50,6 +53,7 @@ __all__ = [
     "TapRing",
     "TransportError",
     "TransportTimeout",
+    "hello_from_checkpoint",
     "make_client",
     "schedule_global",
     "schedule_greedy",

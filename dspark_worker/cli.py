@@ -42,7 +42,8 @@ log = logging.getLogger("dspark_worker")
 OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
     ("checkpoint", "DIR", str,
      "DeepSpec-layout drafter checkpoint folder (config.json + safetensors). Default: the"
-     " embedded tiny model, for trying the worker and for tests."),
+     " embedded reference drafter (a small byte-level pair shipped with dspark, for trying"
+     " the worker, the demo and the tests)."),
     ("target_checkpoint", "DIR", str,
      "target model checkpoint to read embed_tokens / lm_head from when the drafter"
      " checkpoint lacks them."),
@@ -116,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dspark-worker",
         description="Serve DSpark speculative-decoding drafts to serving engines over TCP and"
                     " Unix sockets (the wire contract: docs/contract.md). With no arguments it"
-                    f" serves the embedded tiny drafter on {DEFAULT_LISTEN}.",
+                    f" serves the embedded reference drafter on {DEFAULT_LISTEN}.",
         epilog="Every option can also be set in the --config TOML file under its name with"
                " underscores (max_slots = 128); flags override the file. SIGTERM or SIGINT"
                " drains in-flight STEPs and exits 0.",

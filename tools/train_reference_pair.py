@@ -232,7 +232,8 @@ def train_drafter(target: TargetModel, corpus_ids: torch.Tensor, held_ids: torch
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, 2e-3)
         rows = torch.randint(0, corpus_ids.shape[0], (batch,), generator=gen)
-        loss, parts, hit = draft_losses(drafter, target, corpus_ids[rows], 8, gen)
+        loss, parts, hit = draft_losses(drafter, target, corpus_ids[rows],
+                                        max(8, corpus_ids.shape[1] // 32), gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -264,6 +265,8 @@ def main() -> None:
     ap.add_argument("--target-steps", type=int, default=1200)
     ap.add_argument("--drafter-steps", type=int, default=1500)
     ap.add_argument("--distill-seqs", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=512,
+                    help="sequence length of training (the context the pair is good for)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
@@ -276,13 +279,16 @@ def main() -> None:
     print(f"corpus: {len(train_b)} training bytes, {len(held_b)} held-out bytes", flush=True)
     train = torch.frombuffer(bytearray(train_b), dtype=torch.uint8).long()
     held = torch.frombuffer(bytearray(held_b), dtype=torch.uint8).long()
-    target = train_target(train, held, args.target_steps, seq=256, batch=16, gen=gen)
+    # Tokens per step stay 4096 whatever the sequence length.
+    target = train_target(train, held, args.target_steps, seq=args.seq,
+                          batch=max(1, 4096 // args.seq), gen=gen)
     target.requires_grad_(False)
-    distilled = distill_corpus(target, train, args.distill_seqs, prompt=64, seq=256, gen=gen)
-    held_prompts = distill_corpus(target, held, 64, prompt=64, seq=256,
+    distilled = distill_corpus(target, train, args.distill_seqs, prompt=64, seq=args.seq,
+                               gen=gen)
+    held_prompts = distill_corpus(target, held, 64, prompt=64, seq=args.seq,
                                   gen=torch.Generator().manual_seed(3))
-    drafter = train_drafter(target, distilled, held_prompts, args.drafter_steps, batch=8,
-                            gen=gen)
+    drafter = train_drafter(target, distilled, held_prompts, args.drafter_steps,
+                            batch=max(1, 2048 // args.seq), gen=gen)
     save_target(target, args.target_out)
     drafter.requires_grad_(False)
     save_checkpoint(drafter, args.drafter_out)

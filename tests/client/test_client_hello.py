@@ -1,0 +1,44 @@
+"""hello_from_checkpoint: the engine's HELLO from its drafter checkpoint (6.1, 6.4)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dspark_client import hello_from_checkpoint
+from protocol import wire
+from protocol.identity import identities_from_checkpoint
+
+REFERENCE = Path(__file__).resolve().parents[2] / "dspark_worker" / "drafter" / "reference"
+
+
+def test_hello_from_the_reference_drafter() -> None:
+    h = hello_from_checkpoint(REFERENCE, window=64, max_slots=4, client_name="engine-a")
+    cfg = json.loads((REFERENCE / "config.json").read_text())
+    assert (h.num_spec, h.vocab_size, h.n_taps, h.hidden) == (
+        cfg["block_size"], cfg["vocab_size"], len(cfg["target_layer_ids"]),
+        cfg["target_hidden_size"])
+    assert h.row_bytes == h.n_taps * h.hidden * 2
+    assert (h.drafter_identity, h.markov_identity) == identities_from_checkpoint(REFERENCE)
+    assert h.window == 64 and h.max_slots == 4 and h.max_rows_per_step == 64
+    assert h.sample_mode == wire.SAMPLE_GREEDY and h.client_name == "engine-a"
+    assert hello_from_checkpoint(REFERENCE, window=8, max_slots=4,
+                                 sampled=True).sample_mode == wire.SAMPLE_TOP32
+
+
+def test_aliases_and_a_missing_field(tmp_path: Path) -> None:
+    ckpt = tmp_path / "d"
+    shutil.copytree(REFERENCE, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["dspark_block_size"] = cfg.pop("block_size")
+    cfg["dflash_config"] = {"target_layer_ids": cfg.pop("target_layer_ids")}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    h = hello_from_checkpoint(ckpt, window=16, max_slots=2)
+    assert h.num_spec == cfg["dspark_block_size"] and h.n_taps == 3
+    del cfg["vocab_size"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="vocab_size"):
+        hello_from_checkpoint(ckpt, window=16, max_slots=2)

@@ -1,0 +1,68 @@
+"""The README's quickstart commands and its engine example run as written, against a worker
+this test starts (the commands reach it through DSPARK_ENDPOINT, as the README says)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.worker_proc import WorkerProcess, start_worker
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+
+def blocks(lang: str, after: str) -> list[str]:
+    """The fenced ``lang`` blocks of the README section whose heading is ``after``."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"## {after}")
+    end = text.find("\n## ", start + 1)
+    section = text[start:end if end > 0 else None]
+    return re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[WorkerProcess]:
+    with start_worker("--max-slots", "16", "--max-total-slots", "32", "--device", "cpu") as w:
+        yield w
+
+
+def env_for(worker: WorkerProcess) -> dict[str, str]:
+    assert worker.endpoint is not None
+    bin_dir = str(Path(sys.executable).parent)  # where pip put dspark-client
+    return {**os.environ, "DSPARK_ENDPOINT": worker.endpoint,
+            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+            "OMP_NUM_THREADS": "1"}
+
+
+def test_quickstart_commands_run_as_written(worker: WorkerProcess) -> None:
+    (script,) = blocks("bash", "Quickstart")
+    commands = [line for line in script.splitlines() if line.strip()]
+    assert [c.split()[:2] for c in commands] == [
+        ["dspark-client", "ping"], ["dspark-client", "stats"], ["dspark-client", "bench"],
+        ["dspark-client", "demo"]]
+    outputs = []
+    for command in commands:
+        proc = subprocess.run(command, shell=True, env=env_for(worker), capture_output=True,
+                              text=True, timeout=240, cwd=ROOT)
+        assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+        outputs.append(proc.stdout)
+    ping, stats, bench, demo = outputs
+    assert "ms" in ping or "us" in ping
+    assert '"sessions"' in stats
+    assert "p50" in bench or "p50" in bench.lower()
+    assert "mean accepted length" in demo and "tokens/s target-only" in demo
+
+
+def test_engine_example_runs_as_written(worker: WorkerProcess) -> None:
+    (code,) = blocks("python", "How an engine uses the client")
+    proc = subprocess.run([sys.executable, "-c", code], env=env_for(worker),
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("drafts [")
