@@ -85,7 +85,8 @@ def hello_reply(max_slots: int) -> bytes:
     return wire.HelloReply(capabilities=7, window=W, num_spec=N, max_slots=max_slots,
                            max_rows_per_step=(W + 8) * max_slots, row_bytes=ROW_BYTES,
                            vocab_size=VOCAB, drafter_identity=bytes(32),
-                           markov_identity=bytes(32), worker_name="stub").pack()
+                           markov_identity=bytes(32), worker_name="stub", n_taps=3,
+                           hidden=ROW_BYTES // 6).pack()
 
 
 def make_entries(n: int, sampled: bool, rows_per_entry: int) -> list[wire.ReqEntry]:

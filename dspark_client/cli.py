@@ -9,10 +9,9 @@
     demo [...]           speculative decoding with the reference pair (needs torch); starts a
                          worker on loopback unless an endpoint is given
 
-Commands that HELLO (reset, bench) first learn the worker's geometry: a probe HELLO is
-answered with a HelloReply that carries the worker's own W, N, row_bytes, vocab_size,
-identities and limits, also when it refuses (6.1); n_taps and hidden, which the HelloReply does
-not carry, come from the worker's STATS JSON when it has them.
+Commands that HELLO (reset, bench, demo) first learn the worker's geometry: a probe HELLO is
+answered with a HelloReply that carries the worker's own W, N, row_bytes, vocab_size, tap
+geometry, identities and limits, also when it refuses (6.1).
 
 Exit status: 0 ok; 1 the worker answered an error (a refusal, a bad reply); 2 usage or
 connection error. Failures print one line on stderr.
@@ -124,15 +123,7 @@ def _worker_stats(ctx: Ctx) -> dict[str, Any]:
 def discover(ctx: Ctx, *, sampled: bool, max_slots: int | None = None,
              client_name: str = "dspark-client") -> wire.Hello:
     """A Hello that this worker accepts: its own geometry and identities, learnt from a probe
-    HELLO's reply (6.1), n_taps and hidden from STATS when it names them."""
-    n_taps = hidden = None
-    try:
-        geometry = _worker_stats(ctx).get("geometry")
-        if isinstance(geometry, dict):
-            n_taps, hidden = geometry.get("n_taps"), geometry.get("hidden")
-    except CliError as exc:
-        if exc.code == EXIT_USAGE:
-            raise
+    HELLO's reply (6.1), which the worker fills with its own values also when it refuses."""
     probe = wire.Hello(sample_mode=wire.SAMPLE_TOP32 if sampled else wire.SAMPLE_GREEDY,
                        window=1, num_spec=1, max_slots=1, max_rows_per_step=1, row_bytes=2,
                        vocab_size=1, n_taps=1, hidden=1, drafter_identity=bytes(32),
@@ -151,9 +142,10 @@ def discover(ctx: Ctx, *, sampled: bool, max_slots: int | None = None,
     rep = wire.HelloReply.unpack(body)
     if sampled and not rep.capabilities & wire.CAP_TOP32:
         raise _worker_error("the worker does not serve sampled (top32) sessions")
-    if not (isinstance(n_taps, int) and isinstance(hidden, int)
-            and n_taps * hidden * 2 == rep.row_bytes):
-        n_taps, hidden = 1, rep.row_bytes // 2
+    n_taps, hidden = rep.n_taps, rep.hidden
+    if n_taps * hidden * 2 != rep.row_bytes:
+        raise _worker_error(f"the worker's HelloReply names n_taps {n_taps} and hidden {hidden},"
+                            f" which do not make its row_bytes {rep.row_bytes}")
     slots = rep.max_slots if max_slots is None else min(max_slots, rep.max_slots)
     return wire.Hello(sample_mode=probe.sample_mode, window=rep.window, num_spec=rep.num_spec,
                       max_slots=slots, max_rows_per_step=rep.max_rows_per_step,

@@ -420,7 +420,7 @@ class RemoteDraftClient:
         if rep.markov_identity != ours.markov_identity:
             problems.append(f"markov identity {rep.markov_identity.hex()[:16]}.. !="
                             f" ours {ours.markov_identity.hex()[:16]}..")
-        for field in ("window", "num_spec", "row_bytes", "vocab_size"):
+        for field in ("window", "num_spec", "row_bytes", "vocab_size", "n_taps", "hidden"):
             theirs, mine = getattr(rep, field), getattr(ours, field)
             if theirs != mine:
                 problems.append(f"{field} {theirs} != ours {mine}")

@@ -154,7 +154,8 @@ class WorkerInfo:
             max_slots=self.max_slots, max_rows_per_step=self.max_rows_per_step,
             row_bytes=self.row_bytes, vocab_size=self.vocab_size,
             drafter_identity=self.drafter_identity, markov_identity=self.markov_identity,
-            worker_name=self.worker_name, resumed=int(resumed), version=VERSION)
+            worker_name=self.worker_name, resumed=int(resumed), n_taps=self.n_taps,
+            hidden=self.hidden, version=VERSION)
 
 
 class Reply:

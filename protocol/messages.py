@@ -40,8 +40,8 @@ Buffer = bytes | bytearray | memoryview
 # n_taps reserved hidden drafter_identity markov_identity client_name auth_tag
 HELLO_STRUCT: Final = struct.Struct("<HBBHHIIIIHHI32s32s32s32s")
 # version capabilities window num_spec max_slots max_rows_per_step row_bytes vocab_size
-# drafter_identity markov_identity worker_name resumed (7 reserved)
-HELLO_REP: Final = struct.Struct("<HHHHIIII32s32s32sB7x")
+# drafter_identity markov_identity worker_name resumed (1 reserved) n_taps hidden
+HELLO_REP: Final = struct.Struct("<HHHHIIII32s32s32sBxHI")
 AUTH_TAG_OFFSET: Final = HELLO_STRUCT.size - 32
 
 
@@ -147,6 +147,8 @@ class HelloReply(msgspec.Struct, frozen=True):
     markov_identity: bytes
     worker_name: str = ""
     resumed: int = 0
+    n_taps: int = 0
+    hidden: int = 0
     version: int = VERSION
 
     def pack(self) -> bytes:
@@ -157,6 +159,7 @@ class HelloReply(msgspec.Struct, frozen=True):
                 self.version, self.capabilities, self.window, self.num_spec, self.max_slots,
                 self.max_rows_per_step, self.row_bytes, self.vocab_size, self.drafter_identity,
                 self.markov_identity, _encode_name(self.worker_name, "worker_name"), self.resumed,
+                self.n_taps, self.hidden,
             )
         except struct.error as exc:
             raise BadFrameError(f"HelloReply field out of range: {exc} ({self!r})") from exc
@@ -165,14 +168,15 @@ class HelloReply(msgspec.Struct, frozen=True):
     def unpack(cls, body: Buffer) -> HelloReply:
         _body_size(body, "HelloReply", HELLO_REP.size)
         (version, capabilities, window, num_spec, max_slots, max_rows_per_step, row_bytes,
-         vocab_size, drafter_identity, markov_identity, worker_name,
-         resumed) = HELLO_REP.unpack_from(body)
+         vocab_size, drafter_identity, markov_identity, worker_name, resumed, n_taps,
+         hidden) = HELLO_REP.unpack_from(body)
         return cls(
             version=version, capabilities=capabilities, window=window, num_spec=num_spec,
             max_slots=max_slots, max_rows_per_step=max_rows_per_step, row_bytes=row_bytes,
             vocab_size=vocab_size, drafter_identity=drafter_identity,
             markov_identity=markov_identity,
             worker_name=_decode_name(worker_name, "worker_name"), resumed=resumed,
+            n_taps=n_taps, hidden=hidden,
         )
 
 

@@ -52,7 +52,7 @@ def make_hello_reply(**over: Any) -> wire.HelloReply:
         capabilities=wire.CAP_TAPS_BF16 | wire.CAP_TOP32 | wire.CAP_MARGIN, window=W,
         num_spec=N, max_slots=MAX_SLOTS, max_rows_per_step=MAX_ROWS, row_bytes=ROW_BYTES,
         vocab_size=VOCAB, drafter_identity=DRAFTER_ID, markov_identity=MARKOV_ID,
-        worker_name="fake-worker")
+        worker_name="fake-worker", n_taps=N_TAPS, hidden=HIDDEN)
     fields.update(over)
     return wire.HelloReply(**fields)
 
@@ -249,8 +249,7 @@ class FakeWorker:
             return ("send", wire.frame(h.op, h.seq, h.session, b""))
         if h.op == wire.OP_STATS:
             return ("send", wire.frame(h.op, h.seq, h.session,
-                                       b'{"worker_name": "fake-worker", "geometry": {"n_taps": 2,'
-                                       b' "hidden": 8}}'))
+                                       b'{"worker_name": "fake-worker"}'))
         if h.op == wire.OP_HELLO:
             return self._hello(conn_id, h, body)
         if h.op == wire.OP_RESET:

@@ -87,7 +87,9 @@ HELLO_REPLY = h(
     + MARKOV_HEX  # 56 markov_identity
     + "7730" + "00" * 30  # 88 worker_name "w0"
     + "01"  # 120 resumed
-    + "00" * 7  # 121 reserved
+    + "00"  # 121 reserved
+    + "0300"  # 122 n_taps 3
+    + "10000000"  # 124 hidden 16 (row_bytes 96 = 3 * 16 * 2)
 )
 
 # -- section 7.3: a STEP with 2 entries and 3 rows of 4 bytes (body 32 + 2 * 48 + 12 = 140) -------
@@ -180,6 +182,7 @@ def check_hello_reply(body: memoryview) -> None:
     assert rep.markov_identity == MARKOV_ID
     assert rep.worker_name == "w0"
     assert rep.resumed == 1
+    assert (rep.n_taps, rep.hidden) == (3, 16)
 
 
 def check_step(body: memoryview) -> None:
@@ -282,7 +285,7 @@ def build_hello_reply() -> bytes:
     rep = HelloReply(capabilities=7, window=64, num_spec=4, max_slots=16,
                      max_rows_per_step=1024, row_bytes=96, vocab_size=1000,
                      drafter_identity=DRAFTER_ID, markov_identity=MARKOV_ID, worker_name="w0",
-                     resumed=1)
+                     resumed=1, n_taps=3, hidden=16)
     return frame(1, 1, SESSION, rep.pack())
 
 

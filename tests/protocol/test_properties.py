@@ -65,7 +65,7 @@ hellos = st.builds(Hello, sample_mode=u8, window=u16, num_spec=u16, max_slots=u3
 hello_replies = st.builds(HelloReply, capabilities=u16, window=u16, num_spec=u16,
                           max_slots=u32, max_rows_per_step=u32, row_bytes=u32, vocab_size=u32,
                           drafter_identity=blob32, markov_identity=blob32, worker_name=names,
-                          resumed=u8, version=u16)
+                          resumed=u8, n_taps=u16, hidden=u32, version=u16)
 entries = st.builds(ReqEntry, slot=u32, generation=st.integers(0, 2**40), anchor_pos=u32,
                     anchor_token=u32, n_rows=st.integers(0, 3), n_out=u16, flags=u16,
                     seed=u64, top_k=u16, temperature=f32, top_p=f32)

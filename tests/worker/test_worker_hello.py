@@ -53,7 +53,8 @@ def worker_reply(drafter: Any, resumed: int = 0, **over: Any) -> HelloReply:
         num_spec=drafter.num_spec, max_slots=TEST_MAX_SLOTS, max_rows_per_step=TEST_MAX_ROWS,
         row_bytes=drafter.row_bytes, vocab_size=drafter.vocab_size,
         drafter_identity=drafter.drafter_identity, markov_identity=drafter.markov_identity,
-        worker_name="test-worker", resumed=resumed)
+        worker_name="test-worker", resumed=resumed, n_taps=drafter.n_taps,
+        hidden=drafter.target_hidden)
     fields.update(over)
     return HelloReply(**fields)
 
