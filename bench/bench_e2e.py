@@ -17,9 +17,7 @@ drafter. Reported:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from dspark_client.client import RemoteDraftClient  # noqa: E402
 from dspark_client.config import RemoteConfig  # noqa: E402
+from dspark_client.demo.corpus import heldout_prompts  # noqa: E402
 from dspark_client.demo.speculative import (  # noqa: E402
     DecodeStats,
     RemoteDrafts,
@@ -45,23 +44,6 @@ from tests.support.worker_proc import start_worker  # noqa: E402
 
 FULL = 2048  # "full context": more than any prompt plus its generation
 SLOTS = 16
-
-
-def heldout_prompts(n: int, length: int) -> list[list[int]]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    out: list[list[int]] = []
-    for path in sorted(stdlib.rglob("*.py")):
-        rel = path.relative_to(stdlib).as_posix()
-        if "site-packages" in rel or "/test" in rel or rel.startswith("test"):
-            continue
-        if hashlib.sha256(rel.encode()).digest()[0] % 10 != 0:
-            continue
-        data = path.read_bytes()
-        if len(data) >= 4 * length:
-            out.append(list(data[len(data) // 3:len(data) // 3 + length]))
-        if len(out) == n:
-            break
-    return out
 
 
 def run(target: TargetModel, window: int, prompts: list[list[int]], new_tokens: int,

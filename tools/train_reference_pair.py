@@ -25,10 +25,8 @@ the worker) and ``dspark_client/demo/reference_target/`` (target) unless ``--out
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -38,6 +36,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dspark_client.demo.corpus import stdlib_sources  # noqa: E402
 from dspark_client.demo.target import (  # noqa: E402
     BOS,
     MASK,
@@ -56,18 +55,9 @@ BLOCK = 7
 # -- corpus --------------------------------------------------------------------------------------
 def corpus(max_bytes: int) -> tuple[bytes, bytes]:
     """(train, held-out) text of the standard library's .py files, in a fixed order."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
     train, held = bytearray(), bytearray()
-    for path in sorted(stdlib.rglob("*.py")):
-        rel = path.relative_to(stdlib).as_posix()
-        if "site-packages" in rel or "/test" in rel or rel.startswith("test"):
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        bucket = held if hashlib.sha256(rel.encode()).digest()[0] % 10 == 0 else train
-        bucket += data + b"\n"
+    for _, data, held_out in stdlib_sources():
+        (held if held_out else train).extend(data + b"\n")
         if len(train) >= max_bytes and len(held) >= max_bytes // 10:
             break
     return bytes(train[:max_bytes]), bytes(held[:max_bytes // 10])

@@ -11,11 +11,8 @@ the reference drafter in a real worker process, drafts over the wire.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import sysconfig
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +20,7 @@ import torch
 
 from dspark_client.client import RemoteDraftClient
 from dspark_client.config import RemoteConfig
+from dspark_client.demo.corpus import heldout_prompts
 from dspark_client.demo.speculative import (
     RemoteDrafts,
     SpeculativeDecoder,
@@ -38,27 +36,6 @@ from tests.support.worker_proc import WorkerProcess, start_worker
 W, SLOTS, MAX_LEN = 256, 64, 512
 WORKER_ARGS = ("--window", str(W), "--max-slots", str(SLOTS), "--max-total-slots",
                str(2 * SLOTS), "--max-rows-per-step", "4096", "--device", "cpu")
-
-
-def heldout_prompts(n: int, length: int) -> list[list[int]]:
-    """Prompts from the standard library files the training held out (name hash 0 mod 10)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    out: list[list[int]] = []
-    for path in sorted(stdlib.rglob("*.py")):
-        rel = path.relative_to(stdlib).as_posix()
-        if "site-packages" in rel or "/test" in rel or rel.startswith("test"):
-            continue
-        if hashlib.sha256(rel.encode()).digest()[0] % 10 != 0:
-            continue
-        data = path.read_bytes()
-        if len(data) < 4 * length:
-            continue
-        start = len(data) // 3
-        out.append(list(data[start:start + length]))
-        if len(out) == n:
-            break
-    assert len(out) == n, "not enough held-out files"
-    return out
 
 
 @pytest.fixture(scope="module")
