@@ -63,6 +63,8 @@ RUN pip install --no-deps . \
 
 USER 10001:10001
 WORKDIR /home/dspark
+# Checkpoints come from the host or a persistent volume, mounted read-only (never baked in).
+VOLUME ["/checkpoints"]
 # 7600: the draft protocol (TCP); 7601: HTTP /metrics, /healthz (ready), /livez (alive).
 EXPOSE 7600 7601
 # /healthz is 200 only once the drafter is loaded and warm, 503 while loading or draining. A big

@@ -168,6 +168,12 @@ def entrypoint() -> list[str]:
     return argv
 
 
+def test_docker_checkpoints_are_a_volume() -> None:
+    volumes = [json.loads(args) if args.startswith("[") else args.split()
+               for args in instructions("VOLUME")]
+    assert ["/checkpoints"] in volumes
+
+
 def test_docker_base_image_is_pinned() -> None:
     for args in instructions("FROM"):
         image = next(w for w in args.split() if not w.startswith("--"))
