@@ -66,3 +66,13 @@ def test_engine_example_runs_as_written(worker: WorkerProcess) -> None:
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("drafts [")
+
+
+def test_demo_sampled_and_batched(worker: WorkerProcess) -> None:
+    proc = subprocess.run(["dspark-client", "demo", "--temperature", "0.8", "--batch", "2",
+                           "--max-new-tokens", "24", "--seed", "3"], env=env_for(worker),
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "sampled T=0.8" in proc.stdout and "batch 2" in proc.stdout
+    rounds = re.search(r"rounds \(failed\)\s+(\d+) \((\d+)\)", proc.stdout)
+    assert rounds is not None and int(rounds.group(1)) > 0 and rounds.group(2) == "0"
