@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 _DISCARD = bytearray(64 << 10)
 # Smallest reply buffer a connection keeps (a few entries' reply; grows to the largest seen).
 MIN_REPLY_BUFFER = 4 << 10
+# While a large body arrives, the event loop is woken only once this much more of it is in the
+# kernel (SO_RCVLOWAT; never more than what is left, so the last byte always wakes it): each
+# wake-up is a trip through the loop, and a 4 MiB STEP otherwise takes dozens of them.
+RCVLOWAT_MIN_REMAINING = 64 << 10
+RCVLOWAT_CAP = 1 << 20
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -71,6 +76,8 @@ class Connection(asyncio.BufferedProtocol):
         self._reply_buf: bytearray | None = None
         self._partial_since: float | None = None
         self._partial_timer: asyncio.TimerHandle | None = None
+        self._sock: Any = None  # TCP only: for SO_RCVLOWAT
+        self._rcvlowat = 1
 
     # -- asyncio.BufferedProtocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -84,6 +91,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.kind == "tcp" and sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
         if not self.server.register(self):
             self.closing = True
             self.close_reason = "refused"
@@ -114,10 +122,22 @@ class Connection(asyncio.BufferedProtocol):
             self.pending.extend((f, now) for f in frames)
             self._pump()
         self._watch_partial(bool(frames))
+        if self._sock is not None:
+            self._set_rcvlowat(self.decoder.body_remaining)
         if (len(self.pending) >= MAX_PENDING_FRAMES_PER_CONNECTION and not self.read_paused
                 and not self.closing and self.transport is not None):
             self.read_paused = True
             self.transport.pause_reading()
+
+    def _set_rcvlowat(self, remaining: int) -> None:
+        want = min(remaining, RCVLOWAT_CAP) if remaining >= RCVLOWAT_MIN_REMAINING else 1
+        if want == self._rcvlowat:
+            return
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            self._rcvlowat = want
+        except OSError:
+            self._sock = None  # not supported here: wake on every receive, as by default
 
     def eof_received(self) -> bool | None:
         return None  # close our side too; sessions outlive their connections (6.2)

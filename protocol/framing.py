@@ -87,6 +87,13 @@ class FrameDecoder:
         return self._header is not None or self._have > 0
 
     @property
+    def body_remaining(self) -> int:
+        """Bytes of the body being received that have not arrived yet (0 between bodies)."""
+        if self._header is None or self._body is None:
+            return 0
+        return self._header.body_len - self._body_have
+
+    @property
     def partial_bytes(self) -> int:
         return self._have + (APP_HEADER_SIZE + self._body_have if self._header else 0)
 

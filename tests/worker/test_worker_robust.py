@@ -270,3 +270,39 @@ def test_half_closed_client_still_gets_its_reply(worker: ThreadWorker, drafter: 
         data += chunk
     s.close()
     assert struct.unpack_from("<IHBBIIQ", data)[3] == ST_OK
+
+
+def test_large_frame_in_uneven_pieces_then_small_frames(drafter: Any) -> None:
+    """A STEP of about 1.5 MiB arrives in pieces of uneven size with pauses (the worker raises
+    its receive low-water mark while a large body arrives and must never wait for more than the
+    body's rest), then small frames follow on the same connection: all are answered."""
+    rb = drafter.row_bytes
+    n_rows = (3 << 19) // rb
+    with thread_worker(drafter, max_rows_per_step=4096,
+                       partial_frame_timeout_s=10.0) as w, w.connect() as c:
+        assert c.hello(make_hello(drafter, max_rows_per_step=4096)).status == ST_OK
+        entries = [ReqEntry(slot=0, generation=1, anchor_pos=n_rows, anchor_token=3,
+                            n_rows=n_rows, flags=RF_NEED_DRAFT)]
+        rows = tap_rows(rb, 0, 1, 0, n_rows)
+        data = frame(OP_STEP, c.next_seq(), c.session,
+                     pack_step(1, entries, rows.tobytes(), rb))
+        rng = np.random.default_rng(7)
+        at = 0
+        while at < len(data):
+            n = int(rng.choice([1, 1000, 70_000, 300_000, 900_000]))
+            c.send_raw(data[at:at + n])
+            at += n
+            time.sleep(0.01)
+        r = c.recv()
+        assert r.status == ST_OK
+        assert int(r.step().window_rows[0]) == min(n_rows, w.config.window)
+        for _ in range(3):
+            assert c.ping().status == ST_OK
+        # the rows just applied draft as if they had come in one piece
+        again = frame(OP_STEP, c.next_seq(), c.session,
+                      pack_step(2, [ReqEntry(slot=0, generation=1, anchor_pos=n_rows,
+                                             anchor_token=3, flags=RF_NEED_DRAFT)], b"", rb))
+        c.send_raw(again)
+        r2 = c.recv()
+        assert r2.status == ST_OK
+        assert r2.step().draft_ids.tolist() == r.step().draft_ids.tolist()
