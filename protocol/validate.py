@@ -19,6 +19,7 @@ from .constants import (
     KNOWN_REQ_FLAGS,
     KNOWN_STEP_FLAGS,
     MAX_TOP_K,
+    REQ_ENTRY_SIZE,
     REQ_STATUS_NAMES,
     RF_NEED_DRAFT,
     RF_RELEASE,
@@ -193,36 +194,41 @@ def check_step_shape(view: StepView, *, row_bytes: int, max_slots: int, max_rows
         raise BadFrameError(f"STEP n_rows {h.n_rows} is over max_rows_per_step"
                             f" {max_rows_per_step}", field="n_rows", value=h.n_rows,
                             limit=max_rows_per_step)
-    slot = e["slot"].astype(np.int64)
-    n_rows = e["n_rows"].astype(np.int64)
-    total = int(n_rows.sum())
+    # The records as 12 little-endian u32 words each (48 bytes): one cheap view, plain column
+    # slices, no structured-field views. Word layout of section 7.3: 0 slot, 1 generation,
+    # 2 anchor_pos, 3 anchor_token, 4 n_rows, 5 n_out | flags << 16, 6-7 seed,
+    # 8 top_k | reserved << 16, 9 temperature, 10 top_p, 11 reserved.
+    w = e.view(np.dtype("<u4")).reshape(-1, REQ_ENTRY_SIZE // 4)
+    n_rows = w[:, 4]
+    total = int(n_rows.sum(dtype=np.int64))
     if total != h.n_rows:
         raise BadFrameError(f"entries carry {total} rows in all, the header says n_rows"
                             f" {h.n_rows}", field="n_rows", value=total, limit=h.n_rows)
     if h.n_req == 0:
         return
-    flags = e["flags"]
-    top_k = e["top_k"]
-    temp, top_p = e["temperature"], e["top_p"]
+    slot, w5, w8 = w[:, 0], w[:, 5], w[:, 8]
+    flags = w5 >> 16
+    top_k = w8 & 0xFFFF
     release = (flags & RF_RELEASE) != 0
     per_entry = (
         (slot < max_slots)
-        & (n_rows <= e["anchor_pos"])
-        & (e["n_out"] <= num_spec)
+        & (n_rows <= w[:, 2])
+        & ((w5 & 0xFFFF) <= num_spec)
         & (top_k <= MAX_TOP_K)
         & ((flags | KNOWN_REQ_FLAGS) == KNOWN_REQ_FLAGS)
         & ~(release & ((n_rows != 0) | ((flags & RF_NEED_DRAFT) != 0)))
-        & (e["reserved0"] == 0)
-        & (e["reserved1"] == 0)
+        & ((w8 >> 16) == 0)
+        & (w[:, 11] == 0)
     )
+    floats = w[:, 9:11].view(np.dtype("<f4"))  # temperature, top_p
     if sampled:
-        live = top_k > 0
-        per_entry &= ~live | (np.isfinite(temp) & (temp > 0)
-                              & np.isfinite(top_p) & (top_p >= 0) & (top_p <= 1))
-    else:
-        per_entry &= (e["seed"] == 0) & (top_k == 0) & (temp == 0) & (top_p == 0)
-    distinct = np.unique(slot).size == slot.size
-    if per_entry.all() and distinct:
+        temp, top_p = floats[:, 0], floats[:, 1]
+        per_entry &= (top_k == 0) | (np.isfinite(temp) & (temp > 0)
+                                     & np.isfinite(top_p) & (top_p >= 0) & (top_p <= 1))
+    else:  # sampling fields 0 (a float -0.0 counts as 0, as in the search below)
+        per_entry &= (w[:, 6] == 0) & (w[:, 7] == 0) & (top_k == 0) & (floats == 0).all(axis=1)
+    srt = np.sort(slot)
+    if per_entry.all() and bool((srt[1:] != srt[:-1]).all()):
         return
     _raise_first_shape(view, max_slots, num_spec, sampled)
 
