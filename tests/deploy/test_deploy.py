@@ -506,6 +506,13 @@ def test_configuration_reference_is_up_to_date() -> None:
     spec.loader.exec_module(gen)
     assert (ROOT / "docs" / "configuration.md").read_text() == gen.render(), (
         "docs/configuration.md is out of date: run python tools/gen_config_reference.py")
+    readme = (ROOT / "README.md").read_text()
+    assert readme == gen.render_readme(readme), (
+        "README.md's configuration table is out of date: run python"
+        " tools/gen_config_reference.py")
+    # every flag of the parser has its row in the README
+    for action in gen._options(cli.build_parser()):
+        assert gen._flags(action) in readme, action.dest
     # Its TOML block of defaults loads through the worker's own loader.
     toml = re.search(r"```toml\n(.*?)```", gen.render(), re.S)
     assert toml is not None
