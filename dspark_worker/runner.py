@@ -364,6 +364,15 @@ class Runner:
         self._split(result, items)
 
     def _draft(self, items: list[StepItem]) -> Any:
+        if len(items) == 1 and not items[0].session.sampled:
+            # The common case of one greedy STEP: its entries' columns as they are.
+            item = items[0]
+            s, e = item.session, item.view.entries[item.drafting]
+            if s.lanes is None:
+                raise InternalError(f"session {s.session_id:#010x} holds no ring lanes")
+            return self.drafter.draft(self.pool, s.lanes[e["slot"].astype(np.intp)],
+                                      e["anchor_pos"].astype(np.int64),
+                                      e["anchor_token"].astype(np.int64), self.num_spec)
         lanes, anchor, token, top_k, temp, top_p, seed, gen = [], [], [], [], [], [], [], []
         sampled = False
         for item in items:
@@ -418,10 +427,16 @@ class Runner:
             ks = np.where(n_out == 0, N, np.minimum(n_out, N))  # [b]
             live = np.arange(N)[None, :] < ks[:, None]  # [b, N]
             r, sl = drafted.result, slice(drafted.lo, drafted.hi)
-            reply.draft_ids[idx] = np.where(live, np.asarray(r.draft_ids)[sl, :N], 0)
-            reply.confidence[idx] = np.where(live, np.asarray(r.confidence)[sl, :N], 0.0)
-            if reply.margin is not None:
-                reply.margin[idx] = np.where(live, np.asarray(r.margin)[sl, :N], 0.0)
+            if live.all():  # every entry wants all N positions: no masking needed
+                reply.draft_ids[idx] = np.asarray(r.draft_ids)[sl, :N]
+                reply.confidence[idx] = np.asarray(r.confidence)[sl, :N]
+                if reply.margin is not None:
+                    reply.margin[idx] = np.asarray(r.margin)[sl, :N]
+            else:
+                reply.draft_ids[idx] = np.where(live, np.asarray(r.draft_ids)[sl, :N], 0)
+                reply.confidence[idx] = np.where(live, np.asarray(r.confidence)[sl, :N], 0.0)
+                if reply.margin is not None:
+                    reply.margin[idx] = np.where(live, np.asarray(r.margin)[sl, :N], 0.0)
             smp = e["top_k"][idx] > 0  # [b]; greedy entries of a sampled session carry no q
             if (reply.sampled_mask is not None and reply.support_ids is not None
                     and reply.proposal_q is not None and smp.any()):
