@@ -14,13 +14,14 @@ from typing import Any, Final
 
 import msgspec
 
+from protocol.auth import read_secret_file
+
 from .transport import DEFAULT_MAX_REPLY_BYTES, EndpointError, parse_endpoint
 
 __all__ = ["DEFAULT_ENDPOINT", "RemoteConfig", "RemoteConfigError", "load_auth_secret"]
 
 DEFAULT_ENDPOINT: Final = "tcp://127.0.0.1:7600"
 # A secret file larger than this is not a secret file (a wrong path, a log): refuse it.
-MAX_SECRET_FILE_BYTES: Final = 64 << 10
 
 
 class RemoteConfigError(ValueError):
@@ -123,20 +124,10 @@ class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 def load_auth_secret(path: str | os.PathLike[str]) -> bytes:
-    """The secret in a file, without surrounding whitespace (the trailing newline of
-    ``echo secret > file`` or of a Kubernetes secret is not part of it). The worker reads its
-    ``--auth-secret-file`` by the same rule, so one file serves both. An empty file is
-    refused."""
+    """The secret in a file, read by ``protocol.auth.read_secret_file`` (surrounding whitespace
+    is not part of it), the rule the worker reads its ``--auth-secret-file`` by, so one file
+    serves both."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SECRET_FILE_BYTES + 1)
-    except OSError as exc:
-        raise RemoteConfigError("auth_secret_file", os.fspath(path),
-                                f"cannot be read: {exc.strerror or exc}") from None
-    if len(data) > MAX_SECRET_FILE_BYTES:
-        raise RemoteConfigError("auth_secret_file", os.fspath(path),
-                                f"is over {MAX_SECRET_FILE_BYTES} bytes; not a secret file")
-    data = data.strip()
-    if not data:
-        raise RemoteConfigError("auth_secret_file", os.fspath(path), "holds an empty secret")
-    return data
+        return read_secret_file(path)
+    except ValueError as exc:
+        raise RemoteConfigError("auth_secret_file", os.fspath(path), str(exc)) from None

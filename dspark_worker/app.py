@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from protocol.auth import read_secret_file
 from protocol.constants import CAP_MARGIN, CAP_TAPS_BF16, CAP_TOP32
 
 from . import __version__
@@ -44,16 +45,13 @@ class StartupError(RuntimeError):
 
 
 def read_secret(path: str) -> bytes:
-    """The shared secret of section 11. Surrounding whitespace (a trailing newline from
-    ``echo > file`` or a Kubernetes secret) is not part of it."""
-    p = Path(path)
+    """The shared secret of section 11, by ``protocol.auth.read_secret_file`` (the client reads
+    the same file by the same rule); a file others can read is logged."""
     try:
-        raw = p.read_bytes().strip()
-        mode = p.stat().st_mode
-    except OSError as exc:
-        raise StartupError(f"auth_secret_file {path!r}: {exc.strerror}") from None
-    if not raw:
-        raise StartupError(f"auth_secret_file {path!r} is empty")
+        raw = read_secret_file(path)
+        mode = Path(path).stat().st_mode
+    except (ValueError, OSError) as exc:
+        raise StartupError(f"auth_secret_file {exc}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("auth_secret_file %s can be read by group or others (mode %o)", path,
                     stat.S_IMODE(mode))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import struct
 
 import msgspec
@@ -16,6 +17,26 @@ import msgspec
 from .messages import AUTH_TAG_OFFSET, Hello
 
 ZERO_TAG = bytes(32)
+# A secret file is a few dozen bytes; anything this large is the wrong file.
+MAX_SECRET_FILE_BYTES = 64 << 10
+
+
+def read_secret_file(path: str | os.PathLike[str]) -> bytes:
+    """The shared secret in a file, the one rule for worker and client alike: surrounding
+    whitespace (the newline of ``echo secret > file`` or of a Kubernetes secret) is not part
+    of it. Raises ValueError naming the file for an unreadable, oversized or empty one."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{os.fspath(path)!r} cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ValueError(f"{os.fspath(path)!r} is over {MAX_SECRET_FILE_BYTES} bytes; not a"
+                         " secret file")
+    data = data.strip()
+    if not data:
+        raise ValueError(f"{os.fspath(path)!r} holds an empty secret")
+    return data
 
 
 def hello_auth_tag(secret: bytes, session: int, seq: int, hello: Hello | bytes) -> bytes:

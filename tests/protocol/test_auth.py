@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -84,3 +85,19 @@ def test_without_a_secret_the_tag_is_zero_and_anything_passes() -> None:
 def test_a_secret_refuses_an_unsigned_hello() -> None:
     assert not verify_hello(SECRET, SESSION, SEQ, HELLO)
     assert not verify_hello(SECRET, SESSION, SEQ, sign_hello(None, SESSION, SEQ, HELLO))
+
+
+def test_read_secret_file_one_rule(tmp_path: Path) -> None:
+    from protocol.auth import MAX_SECRET_FILE_BYTES, read_secret_file
+
+    f = tmp_path / "s"
+    f.write_bytes(b"  top secret\n")
+    assert read_secret_file(f) == b"top secret"
+    f.write_bytes(b" \n\t")
+    with pytest.raises(ValueError, match="empty secret"):
+        read_secret_file(f)
+    f.write_bytes(b"x" * (MAX_SECRET_FILE_BYTES + 1))
+    with pytest.raises(ValueError, match="not a secret file"):
+        read_secret_file(f)
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_secret_file(tmp_path / "missing")
