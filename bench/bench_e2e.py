@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dspark_client import hello_from_checkpoint  # noqa: E402
 from dspark_client.client import RemoteDraftClient  # noqa: E402
 from dspark_client.config import RemoteConfig  # noqa: E402
 from dspark_client.demo.corpus import heldout_prompts  # noqa: E402
@@ -38,8 +39,7 @@ from dspark_client.demo.speculative import (  # noqa: E402
 from dspark_client.demo.target import TargetModel, default_target_dir, load_target  # noqa: E402
 from dspark_client.rounds import DraftRounds  # noqa: E402
 from dspark_client.schedule import SpsTable  # noqa: E402
-from dspark_worker.drafter import embedded_identities  # noqa: E402
-from protocol import wire  # noqa: E402
+from dspark_worker.drafter.drafter import REFERENCE_DIR  # noqa: E402
 from tests.support.worker_proc import start_worker  # noqa: E402
 
 FULL = 2048  # "full context": more than any prompt plus its generation
@@ -49,17 +49,13 @@ SLOTS = 16
 def run(target: TargetModel, window: int, prompts: list[list[int]], new_tokens: int,
         depth: SpsTable | None) -> tuple[DecodeStats, int]:
     """Decode through a fresh worker of this W; returns the stats and drafts verified."""
-    drafter_id, markov_id = embedded_identities()
-    tc = target.config
     args = ("--window", str(window), "--max-slots", str(SLOTS), "--max-total-slots",
             str(SLOTS), "--max-rows-per-step", str(max(4096, window)), "--device", "cpu")
     with start_worker(*args) as w:
         assert w.endpoint is not None
-        hello = wire.Hello(sample_mode=wire.SAMPLE_GREEDY, window=window, num_spec=7,
-                           max_slots=SLOTS, max_rows_per_step=max(4096, window),
-                           row_bytes=tc.row_bytes, vocab_size=tc.vocab_size, n_taps=tc.n_taps,
-                           hidden=tc.hidden_size, drafter_identity=drafter_id,
-                           markov_identity=markov_id, client_name="bench-e2e")
+        hello = hello_from_checkpoint(REFERENCE_DIR, window=window, max_slots=SLOTS,
+                                      max_rows_per_step=max(4096, window),
+                                      client_name="bench-e2e")
         client = RemoteDraftClient(RemoteConfig(endpoint=w.endpoint, timeout_ms=30_000,
                                                 connect_timeout_ms=30_000), hello)
         try:

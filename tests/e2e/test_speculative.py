@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from dspark_client import hello_from_checkpoint
 from dspark_client.client import RemoteDraftClient
 from dspark_client.config import RemoteConfig
 from dspark_client.demo.corpus import heldout_prompts
@@ -28,8 +29,8 @@ from dspark_client.demo.speculative import (
 )
 from dspark_client.demo.target import TargetModel, default_target_dir, encode_text, load_target
 from dspark_client.rounds import DraftRounds
-from dspark_worker.drafter import embedded_identities, load_drafter
-from protocol import wire
+from dspark_worker.drafter import load_drafter
+from dspark_worker.drafter.drafter import REFERENCE_DIR
 from tests.support.local_drafts import LocalDrafts
 from tests.support.worker_proc import WorkerProcess, start_worker
 
@@ -54,13 +55,9 @@ def remote(worker: WorkerProcess, target: TargetModel, *, sampled: bool = False,
            name: str = "e2e") -> tuple[RemoteDraftClient, RemoteDrafts]:
     """A session under one client name: each test's HELLO replaces the previous test's session
     on the worker (6.2), as a restarted engine would."""
-    drafter_id, markov_id = embedded_identities()
-    tc = target.config
-    hello = wire.Hello(
-        sample_mode=wire.SAMPLE_TOP32 if sampled else wire.SAMPLE_GREEDY, window=W,
-        num_spec=7, max_slots=SLOTS, max_rows_per_step=4096, row_bytes=tc.row_bytes,
-        vocab_size=tc.vocab_size, n_taps=tc.n_taps, hidden=tc.hidden_size,
-        drafter_identity=drafter_id, markov_identity=markov_id, client_name=name)
+    hello = hello_from_checkpoint(REFERENCE_DIR, window=W, max_slots=SLOTS,
+                                  max_rows_per_step=4096, sampled=sampled, client_name=name)
+    assert hello.row_bytes == target.config.row_bytes  # the pair's tap geometry agrees
     assert worker.endpoint is not None
     client = RemoteDraftClient(RemoteConfig(endpoint=worker.endpoint, timeout_ms=10_000,
                                             connect_timeout_ms=10_000), hello)
