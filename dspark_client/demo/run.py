@@ -20,10 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+import msgspec
 import numpy as np
 import torch
-
-from protocol import wire
 
 from ..client import RemoteDraftClient
 from ..config import RemoteConfig
@@ -85,15 +84,14 @@ def run_demo(hello_for: Any, args: Any, out: TextIO) -> int:
         endpoint = args.endpoint or stack.enter_context(spawned_worker())
         hello = hello_for(endpoint, sampled)
         tc = target.config
-        if hello.row_bytes != tc.row_bytes or hello.vocab_size != tc.vocab_size:
-            out.write(f"the worker drafts for row_bytes {hello.row_bytes}, vocab"
-                      f" {hello.vocab_size}; the reference target has {tc.row_bytes},"
-                      f" {tc.vocab_size}: serve the embedded reference drafter\n")
+        if (hello.n_taps, hello.hidden, hello.vocab_size) != (tc.n_taps, tc.hidden_size,
+                                                              tc.vocab_size):
+            out.write(f"the worker drafts for {hello.n_taps} taps of {hello.hidden}, vocab"
+                      f" {hello.vocab_size}; the reference target has {tc.n_taps} taps of"
+                      f" {tc.hidden_size}, vocab {tc.vocab_size}: serve the embedded reference"
+                      " drafter\n")
             return 1
-        hello = wire.Hello(**{**{f: getattr(hello, f) for f in hello.__struct_fields__},
-                              "n_taps": tc.n_taps, "hidden": tc.hidden_size,
-                              "max_slots": max(args.batch, 1),
-                              "client_name": "dspark-demo"})
+        hello = msgspec.structs.replace(hello, max_slots=max(args.batch, 1))
         client = RemoteDraftClient(RemoteConfig(endpoint=endpoint, timeout_ms=5000,
                                                 connect_timeout_ms=5000), hello)
         stack.callback(client.close)
