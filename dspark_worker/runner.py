@@ -364,41 +364,31 @@ class Runner:
         self._split(result, items)
 
     def _draft(self, items: list[StepItem]) -> Any:
-        if len(items) == 1 and not items[0].session.sampled:
-            # The common case of one greedy STEP: its entries' columns as they are.
-            item = items[0]
-            s, e = item.session, item.view.entries[item.drafting]
-            if s.lanes is None:
-                raise InternalError(f"session {s.session_id:#010x} holds no ring lanes")
-            return self.drafter.draft(self.pool, s.lanes[e["slot"].astype(np.intp)],
-                                      e["anchor_pos"].astype(np.int64),
-                                      e["anchor_token"].astype(np.int64), self.num_spec)
-        lanes, anchor, token, top_k, temp, top_p, seed, gen = [], [], [], [], [], [], [], []
-        sampled = False
+        parts = []  # per item: its drafting entries and the session's lanes for them
         for item in items:
             s, e = item.session, item.view.entries[item.drafting]
             if s.lanes is None:
                 raise InternalError(f"session {s.session_id:#010x} holds no ring lanes")
-            lanes.append(s.lanes[e["slot"].astype(np.intp)])
-            anchor.append(e["anchor_pos"])
-            token.append(e["anchor_token"])
-            top_k.append(e["top_k"])
-            temp.append(e["temperature"])
-            top_p.append(e["top_p"])
-            seed.append(e["seed"])
-            gen.append(e["generation"])
-            sampled = sampled or bool((e["top_k"] > 0).any())
+            parts.append((s.lanes[e["slot"].astype(np.intp)], e))
+
+        def column(name: str, dtype: Any) -> Any:
+            cols = [e[name] for _, e in parts]
+            return (cols[0] if len(cols) == 1 else np.concatenate(cols)).astype(dtype)
+
+        # Sampling fields matter only where a sampled session's entry asks for top_k > 0.
         sampling = None
-        if sampled:
+        if any(it.session.sampled and bool((e["top_k"] > 0).any())
+               for it, (_, e) in zip(items, parts, strict=True)):
             sampling = self._make_sampling(
-                top_k=np.concatenate(top_k).astype(np.int64),
-                temperature=np.concatenate(temp).astype(np.float32),
-                top_p=np.concatenate(top_p).astype(np.float32),
-                seed=np.concatenate(seed).astype(np.uint64),
-                generation=np.concatenate(gen).astype(np.uint32))
-        return self.drafter.draft(self.pool, np.concatenate(lanes).astype(np.int64),
-                                  np.concatenate(anchor).astype(np.int64),
-                                  np.concatenate(token).astype(np.int64), self.num_spec,
+                top_k=column("top_k", np.int64), temperature=column("temperature", np.float32),
+                top_p=column("top_p", np.float32), seed=column("seed", np.uint64),
+                generation=column("generation", np.uint32))
+        lanes = [lane for lane, _ in parts]
+        return self.drafter.draft(self.pool,
+                                  (lanes[0] if len(lanes) == 1 else np.concatenate(lanes)
+                                   ).astype(np.int64),
+                                  column("anchor_pos", np.int64),
+                                  column("anchor_token", np.int64), self.num_spec,
                                   sampling=sampling)
 
     @staticmethod
