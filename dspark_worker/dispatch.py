@@ -76,6 +76,7 @@ from protocol.constants import (
     OP_STEP,
     REQ_STATUS_NAMES,
     RF_NEED_DRAFT,
+    RS_OK,
     SAMPLE_GREEDY,
     SAMPLE_MODE_NAMES,
     SAMPLE_TOP32,
@@ -225,6 +226,12 @@ class Dispatcher:
         self._dropped_counts: dict[str, int] = {}
         self._req_counts = np.zeros(max(REQ_STATUS_NAMES) + 1, dtype=np.int64)
         self._hello_reply_ok: dict[bool, bytes] = {}
+        # Gauges read when scraped: nothing to keep up to date per frame.
+        metrics.sessions.set_function(lambda: len(table))
+        metrics.active_slots.set_function(lambda: table.active_slots)
+        metrics.window_memory_used.set_function(
+            lambda: table.lanes_reserved * info.bytes_per_slot)
+        metrics.queue_steps.set_function(lambda: runner.queued_steps)
 
     # -- the boundary -----------------------------------------------------------------------------
     def handle(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply | None:
@@ -305,7 +312,6 @@ class Dispatcher:
         log.info("session %#010x %s: client %r from %s, %d slots, %s, seq %d",
                  s.session_id, result.outcome.value, s.client_name, conn.peer, s.max_slots,
                  SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"), h.seq)
-        self._gauges()
         resumed = result.outcome is Outcome.RESUMED
         body = self._hello_reply_ok.get(resumed)
         if body is None:
@@ -371,13 +377,11 @@ class Dispatcher:
         reply_buf = conn.reply_buffer(reply_bytes(view.header.n_req, self.info.num_spec,
                                                   s.sampled))
         self.table.commit_step(s, plan, view.entries, h.seq, self.clock())
-        self.metrics.active_slots.set(self.table.active_slots)
         shed = self.runner.queued_steps >= self.shed_queue_steps
         item = StepItem(conn, h, s, view, plan, fr.storage, reply_buf, t_arrival, shed)
         self.metrics.step_accepted(int(view.header.n_rows), APP_HEADER_SIZE + h.body_len)
         self.metrics.observe_stage("decode", item.t_queued - t_arrival)
         self.runner.submit(item)
-        self.metrics.queue_steps.set(self.runner.queued_steps)
         return None
 
     def _check_tokens(self, entries: Any) -> None:
@@ -385,8 +389,10 @@ class Dispatcher:
         of the vocabulary (refused like the rules of 7.2 step 3, before anything applies)."""
         if not entries.shape[0]:
             return
-        bad = ((entries["flags"] & RF_NEED_DRAFT) != 0) & (
-            entries["anchor_token"] >= self.info.vocab_size)
+        tokens = entries["anchor_token"]
+        if int(tokens.max()) < self.info.vocab_size:  # the usual case: nothing to look at
+            return
+        bad = ((entries["flags"] & RF_NEED_DRAFT) != 0) & (tokens >= self.info.vocab_size)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             slot, token = int(entries["slot"][i]), int(entries["anchor_token"][i])
@@ -399,7 +405,6 @@ class Dispatcher:
         conn, h, m = item.conn, item.header, self.metrics
         conn.release_storage(item.storage)
         item.storage = None
-        m.queue_steps.set(self.runner.queued_steps)
         if item.skipped:
             data: Buffer = self._frame(h, ST_NO_SESSION)
             m.frame(h.op, ST_NO_SESSION)
@@ -421,7 +426,10 @@ class Dispatcher:
         h.reply(ST_OK, body_len).pack_into(buf, 0)
         m.frame(h.op, ST_OK)
         status = item.status
-        if status is not None:
+        if item.all_ok:
+            self._req_counts[RS_OK] += status.size if status is not None else 0
+            m.request_status_ok(status.size if status is not None else 0)
+        elif status is not None:
             counts = np.bincount(status, minlength=self._req_counts.size)
             self._req_counts += counts[:self._req_counts.size]
             m.request_statuses(counts)
@@ -501,21 +509,14 @@ class Dispatcher:
         log.log(lvl, "session %#010x %s (client %r, %d live slots): %s", s.session_id,
                 reason.value if reason is not DropReason.INTERNAL else "dropped", s.client_name,
                 s.n_live, why)
-        self._gauges()
 
     def drop_all(self, reason: DropReason = DropReason.SHUTDOWN) -> None:
         for s in self.table:
             self._drop(s, reason, "the worker is stopping")
 
-    def _gauges(self) -> None:
-        self.metrics.sessions.set(len(self.table))
-        self.metrics.active_slots.set(self.table.active_slots)
-        self.metrics.window_memory_used.set(self.table.lanes_reserved * self.info.bytes_per_slot)
-
     # -- STATS ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         i, now, m = self.info, self.clock(), self.metrics
-        self._gauges()
         sessions = [{
             "session": s.session_id, "client_name": s.client_name,
             "sample_mode": SAMPLE_MODE_NAMES.get(s.hello.sample_mode, "?"),

@@ -44,7 +44,7 @@ from typing import Final
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from protocol.constants import FRAME_STATUS_NAMES, OP_NAMES, REQ_STATUS_NAMES
+from protocol.constants import FRAME_STATUS_NAMES, OP_NAMES, REQ_STATUS_NAMES, RS_OK
 
 PREFIX: Final = "dspark_worker"
 STAGES: Final = ("decode", "queue", "apply", "draft", "encode", "step")
@@ -153,6 +153,7 @@ class Metrics:
         self._frames: dict[tuple[int, int], Counter] = {}
         self._req = {rs: self.request_status.labels(status=name)
                      for rs, name in REQ_STATUS_NAMES.items()}
+        self._req_ok = self._req[RS_OK]
         # Counters for the STATS totals (prometheus children are not meant to be read back).
         self.totals: dict[str, int] = {"steps": 0, "rows": 0, "drafted_positions": 0,
                                        "frames": 0, "received_bytes": 0, "sent_bytes": 0}
@@ -181,6 +182,11 @@ class Metrics:
                 child = self._req.get(rs)
                 if child is not None:
                     child.inc(n)
+
+    def request_status_ok(self, n: int) -> None:
+        """``n`` entries answered RS_OK (the usual STEP)."""
+        if n:
+            self._req_ok.inc(n)
 
     def step_accepted(self, rows: int, received_bytes: int) -> None:
         self.totals["steps"] += 1

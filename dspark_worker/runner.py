@@ -55,6 +55,8 @@ from .sessions import Session, StepPlan
 log = logging.getLogger(__name__)
 
 Buffer = bytearray | memoryview
+_NO_ENTRIES: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
+_NO_ENTRIES.flags.writeable = False
 
 
 class Drafter(Protocol):
@@ -69,7 +71,7 @@ class Drafter(Protocol):
 class StepItem:
     """One accepted STEP on its way through the device, and then its answer."""
 
-    __slots__ = ("apply_s", "conn", "draft_s", "drafted", "drafting", "encode_s", "error",
+    __slots__ = ("all_ok", "apply_s", "conn", "draft_s", "drafted", "drafting", "encode_s", "error",
                  "header",
                  "n_drafted", "plan", "reply", "reply_buf", "session", "shed", "skipped",
                  "status", "storage", "t_arrival", "t_queued", "t_start", "view", "window_rows")
@@ -91,7 +93,8 @@ class StepItem:
         self.apply_s = self.draft_s = self.encode_s = 0.0
         self.status: npt.NDArray[np.uint8] | None = None
         self.window_rows: npt.NDArray[np.int64] | None = None
-        self.drafting: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
+        self.drafting: npt.NDArray[np.intp] = _NO_ENTRIES
+        self.all_ok = False  # every entry RS_OK (status counted without a bincount)
         self.drafted: _Drafted | None = None  # this STEP's rows of the batch's draft
         self.reply: StepReply | None = None
         self.n_drafted = 0
@@ -292,36 +295,48 @@ class Runner:
 
     def _apply(self, item: StepItem) -> None:
         """7.2 steps 4 and 5 for one STEP."""
-        s, plan, e = item.session, item.plan, item.view.entries
+        s, plan = item.session, item.plan
         lanes_all = s.lanes
         if lanes_all is None:
             raise InternalError(f"session {s.session_id:#010x} holds no ring lanes")
-        n = e.shape[0]
-        anchor = e["anchor_pos"].astype(np.int64)
-        counts = e["n_rows"].astype(np.int64)
-        wr = np.zeros(n, dtype=np.int64)
-        applied = plan.apply
-        if applied.any():
-            lanes = lanes_all[plan.slots[applied]]
-            rows = item.view.rows
-            if not applied.all() and counts[~applied].any():
-                # A stale entry's rows are left out (7.1): gather the others' rows (a copy; a
-                # stale generation is rare and ends the session on the client's side).
-                ends = np.cumsum(counts)
-                keep = np.concatenate([np.arange(end - c, end) for end, c, a
-                                       in zip(ends, counts, applied, strict=True) if a and c]
-                                      or [np.zeros(0, dtype=np.int64)])
-                rows = rows[keep]
-            self.pool.apply(lanes, anchor[applied], counts[applied], plan.reset[applied], rows)
-            wr[applied] = self.pool.window_rows(lanes, anchor[applied])
-        if plan.release.any():
-            self.pool.release(lanes_all[plan.slots[plan.release]])
+        anchor, counts = plan.anchor_pos, plan.n_rows
+        n = anchor.size
+        if plan.steady:  # every entry applies; nothing is stale or released
+            lanes = lanes_all[plan.slots]
+            self.pool.apply(lanes, anchor, counts, plan.reset, item.view.rows)
+            wr = self.pool.window_rows(lanes, anchor)
+        else:
+            wr = np.zeros(n, dtype=np.int64)
+            applied = plan.apply
+            if applied.any():
+                lanes = lanes_all[plan.slots[applied]]
+                rows = item.view.rows
+                if not applied.all() and counts[~applied].any():
+                    # A stale entry's rows are left out (7.1): gather the others' rows (a copy;
+                    # a stale generation is rare and ends the session on the client's side).
+                    ends = np.cumsum(counts)
+                    keep = np.concatenate([np.arange(end - c, end) for end, c, a
+                                           in zip(ends, counts, applied, strict=True) if a and c]
+                                          or [np.zeros(0, dtype=np.int64)])
+                    rows = rows[keep]
+                self.pool.apply(lanes, anchor[applied], counts[applied], plan.reset[applied],
+                                rows)
+                wr[applied] = self.pool.window_rows(lanes, anchor[applied])
+            if plan.release.any():
+                self.pool.release(lanes_all[plan.slots[plan.release]])
         expected = np.minimum(anchor, self.window)
         wr = np.minimum(wr, expected)
+        need = plan.need_draft
+        full = wr == expected
+        if not item.shed and need.all() and full.all():  # the usual STEP: every entry drafts
+            item.status = np.full(n, RS_OK, dtype=np.uint8)
+            item.window_rows = wr
+            item.drafting = np.arange(n, dtype=np.intp)
+            item.all_ok = True
+            return
         status = np.full(n, RS_OK, dtype=np.uint8)
         status[plan.stale] = RS_STALE_GENERATION
-        need = plan.need_draft
-        full = need & (wr == expected)
+        full &= need
         partial = need & (wr > 0) & (wr < expected)
         status[partial] = RS_PARTIAL_WINDOW
         status[need & (wr == 0) & (expected > 0)] = RS_NO_WINDOW
@@ -364,31 +379,38 @@ class Runner:
         self._split(result, items)
 
     def _draft(self, items: list[StepItem]) -> Any:
-        parts = []  # per item: its drafting entries and the session's lanes for them
+        lanes, anchor, token = [], [], []  # per item, for its drafting entries
         for item in items:
-            s, e = item.session, item.view.entries[item.drafting]
+            s, plan, idx = item.session, item.plan, item.drafting
             if s.lanes is None:
                 raise InternalError(f"session {s.session_id:#010x} holds no ring lanes")
-            parts.append((s.lanes[e["slot"].astype(np.intp)], e))
+            if idx.size == plan.slots.size:  # every entry drafts: the columns as they are
+                lanes.append(s.lanes[plan.slots])
+                anchor.append(plan.anchor_pos)
+                token.append(plan.anchor_token)
+            else:
+                lanes.append(s.lanes[plan.slots[idx]])
+                anchor.append(plan.anchor_pos[idx])
+                token.append(plan.anchor_token[idx])
 
-        def column(name: str, dtype: Any) -> Any:
-            cols = [e[name] for _, e in parts]
-            return (cols[0] if len(cols) == 1 else np.concatenate(cols)).astype(dtype)
+        def joined(cols: list[Any]) -> Any:
+            return cols[0] if len(cols) == 1 else np.concatenate(cols)
 
         # Sampling fields matter only where a sampled session's entry asks for top_k > 0.
         sampling = None
-        if any(it.session.sampled and bool((e["top_k"] > 0).any())
-               for it, (_, e) in zip(items, parts, strict=True)):
+        sampled = [item.view.entries[item.drafting] if item.session.sampled else None
+                   for item in items]
+        if any(e is not None and bool((e["top_k"] > 0).any()) for e in sampled):
+            def column(name: str, dtype: Any) -> Any:
+                return joined([item.view.entries[item.drafting][name] if e is None else e[name]
+                               for item, e in zip(items, sampled, strict=True)]).astype(dtype)
+
             sampling = self._make_sampling(
                 top_k=column("top_k", np.int64), temperature=column("temperature", np.float32),
                 top_p=column("top_p", np.float32), seed=column("seed", np.uint64),
                 generation=column("generation", np.uint32))
-        lanes = [lane for lane, _ in parts]
-        return self.drafter.draft(self.pool,
-                                  (lanes[0] if len(lanes) == 1 else np.concatenate(lanes)
-                                   ).astype(np.int64),
-                                  column("anchor_pos", np.int64),
-                                  column("anchor_token", np.int64), self.num_spec,
+        return self.drafter.draft(self.pool, joined(lanes).astype(np.int64, copy=False),
+                                  joined(anchor), joined(token), self.num_spec,
                                   sampling=sampling)
 
     @staticmethod
@@ -402,42 +424,50 @@ class Runner:
 
     def _encode(self, item: StepItem) -> None:
         """7.4 in place: the reply lands at APP_HEADER_SIZE in the connection's buffer."""
-        s, e, N = item.session, item.view.entries, self.num_spec
+        s, plan, N = item.session, item.plan, self.num_spec
         if item.status is None or item.window_rows is None:  # pragma: no cover - by _apply
             raise InternalError("STEP reached encode without statuses")
         flags = RPF_MARGIN | (RPF_SAMPLED if s.sampled else 0)
+        n = plan.slots.size
         reply = StepReply.into(item.reply_buf, APP_HEADER_SIZE, int(item.view.header.step_id),
-                               e.shape[0], N, flags)
+                               n, N, flags)
         reply.status[:] = item.status
         reply.window_rows[:] = item.window_rows
-        reply.generation[:] = e["generation"]
+        reply.generation[:] = plan.generation
         idx, drafted = item.drafting, item.drafted
         if idx.size and drafted is not None:
-            n_out = e["n_out"][idx].astype(np.int64)
-            ks = np.where(n_out == 0, N, np.minimum(n_out, N))  # [b]
-            live = np.arange(N)[None, :] < ks[:, None]  # [b, N]
+            # Every entry drafting (the usual STEP) writes whole arrays: slices, not an index.
+            to: slice | npt.NDArray[np.intp] = slice(None) if idx.size == n else idx
+            n_out = plan.n_out[to]
             r, sl = drafted.result, slice(drafted.lo, drafted.hi)
-            if live.all():  # every entry wants all N positions: no masking needed
-                reply.draft_ids[idx] = np.asarray(r.draft_ids)[sl, :N]
-                reply.confidence[idx] = np.asarray(r.confidence)[sl, :N]
+            if not ((n_out > 0) & (n_out < N)).any():  # every entry wants all N positions
+                live = None
+                reply.draft_ids[to] = np.asarray(r.draft_ids)[sl, :N]
+                reply.confidence[to] = np.asarray(r.confidence)[sl, :N]
                 if reply.margin is not None:
-                    reply.margin[idx] = np.asarray(r.margin)[sl, :N]
+                    reply.margin[to] = np.asarray(r.margin)[sl, :N]
+                item.n_drafted = idx.size * N
             else:
-                reply.draft_ids[idx] = np.where(live, np.asarray(r.draft_ids)[sl, :N], 0)
-                reply.confidence[idx] = np.where(live, np.asarray(r.confidence)[sl, :N], 0.0)
+                ks = np.where(n_out == 0, N, np.minimum(n_out, N))  # [b]
+                live = np.arange(N)[None, :] < ks[:, None]  # [b, N]
+                reply.draft_ids[to] = np.where(live, np.asarray(r.draft_ids)[sl, :N], 0)
+                reply.confidence[to] = np.where(live, np.asarray(r.confidence)[sl, :N], 0.0)
                 if reply.margin is not None:
-                    reply.margin[idx] = np.where(live, np.asarray(r.margin)[sl, :N], 0.0)
-            smp = e["top_k"][idx] > 0  # [b]; greedy entries of a sampled session carry no q
-            if (reply.sampled_mask is not None and reply.support_ids is not None
-                    and reply.proposal_q is not None and smp.any()):
-                rows = idx[smp]
-                m3 = live[smp][:, :, None]  # [b', N, 1]
-                reply.sampled_mask[rows] = 1
-                reply.support_ids[rows] = np.where(
-                    m3, np.asarray(r.support_ids)[sl][smp][:, :N], 0)
-                reply.proposal_q[rows] = np.where(
-                    m3, np.asarray(r.proposal_q)[sl][smp][:, :N], 0)
-            item.n_drafted = int(ks.sum())
+                    reply.margin[to] = np.where(live, np.asarray(r.margin)[sl, :N], 0.0)
+                item.n_drafted = int(ks.sum())
+            if reply.sampled_mask is not None and reply.support_ids is not None \
+                    and reply.proposal_q is not None:
+                smp = item.view.entries["top_k"][idx] > 0  # greedy entries carry no q
+                if smp.any():
+                    rows = idx[smp]
+                    reply.sampled_mask[rows] = 1
+                    support = np.asarray(r.support_ids)[sl][smp][:, :N]
+                    q = np.asarray(r.proposal_q)[sl][smp][:, :N]
+                    if live is not None:
+                        m3 = live[smp][:, :, None]  # [b', N, 1]
+                        support, q = np.where(m3, support, 0), np.where(m3, q, 0)
+                    reply.support_ids[rows] = support
+                    reply.proposal_q[rows] = q
         item.reply = reply
 
 

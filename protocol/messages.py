@@ -9,6 +9,7 @@ in place, and the client reads every array of a StepReply in place. Decoders che
 
 from __future__ import annotations
 
+import math
 import struct
 from functools import lru_cache
 from typing import Any, Final
@@ -368,6 +369,8 @@ def decode_reset(body: Buffer) -> list[int]:
 
 # -- StepReply (7.4) ------------------------------------------------------------------------------
 REPLY_HEADER_STRUCT: Final = struct.Struct("<QIHHII")  # step_id n_req num_spec flags worker_us res
+_U8, _U16, _U32 = np.dtype(np.uint8), np.dtype("<u2"), np.dtype("<u4")
+_I32, _F32 = np.dtype("<i4"), np.dtype("<f4")
 
 
 def _align(n: int) -> int:
@@ -458,19 +461,19 @@ class StepReply:
         self.worker_us = worker_us
 
         def arr(dtype: Any, at: int, shape: tuple[int, ...]) -> Any:
-            count = int(np.prod(shape))
-            return np.frombuffer(buf, dtype=dtype, count=count, offset=offset + at).reshape(shape)
+            return np.frombuffer(buf, dtype=dtype, count=math.prod(shape),
+                                 offset=offset + at).reshape(shape)
 
-        self.status = arr(np.uint8, lo.status, (n,))
-        self.window_rows = arr("<u2", lo.window_rows, (n,))
-        self.generation = arr("<u4", lo.generation, (n,))
-        self.draft_ids = arr("<i4", lo.draft_ids, (n, N))
-        self.confidence = arr("<f4", lo.confidence, (n, N))
-        self.margin = arr("<f4", lo.margin, (n, N)) if lo.margin >= 0 else None
+        self.status = arr(_U8, lo.status, (n,))
+        self.window_rows = arr(_U16, lo.window_rows, (n,))
+        self.generation = arr(_U32, lo.generation, (n,))
+        self.draft_ids = arr(_I32, lo.draft_ids, (n, N))
+        self.confidence = arr(_F32, lo.confidence, (n, N))
+        self.margin = arr(_F32, lo.margin, (n, N)) if lo.margin >= 0 else None
         if lo.sampled_mask >= 0:
-            self.sampled_mask = arr(np.uint8, lo.sampled_mask, (n,))
-            self.support_ids = arr("<i4", lo.support_ids, (n, N, MAX_TOP_K))
-            self.proposal_q = arr("<u4", lo.proposal_q, (n, N, MAX_TOP_K))
+            self.sampled_mask = arr(_U8, lo.sampled_mask, (n,))
+            self.support_ids = arr(_I32, lo.support_ids, (n, N, MAX_TOP_K))
+            self.proposal_q = arr(_U32, lo.proposal_q, (n, N, MAX_TOP_K))
         else:
             self.sampled_mask = self.support_ids = self.proposal_q = None
 

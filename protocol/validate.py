@@ -10,6 +10,7 @@ first offender (entry, slot, position, value, limit) in a ``WireError`` subclass
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -194,10 +195,10 @@ def check_step_shape(view: StepView, *, row_bytes: int, max_slots: int, max_rows
         raise BadFrameError(f"STEP n_rows {h.n_rows} is over max_rows_per_step"
                             f" {max_rows_per_step}", field="n_rows", value=h.n_rows,
                             limit=max_rows_per_step)
-    # The records as 12 little-endian u32 words each (48 bytes): one cheap view, plain column
-    # slices, no structured-field views. Word layout of section 7.3: 0 slot, 1 generation,
-    # 2 anchor_pos, 3 anchor_token, 4 n_rows, 5 n_out | flags << 16, 6-7 seed,
-    # 8 top_k | reserved << 16, 9 temperature, 10 top_p, 11 reserved.
+    # The records as 12 little-endian u32 words each (48 bytes), word layout of section 7.3:
+    # 0 slot, 1 generation, 2 anchor_pos, 3 anchor_token, 4 n_rows, 5 n_out | flags << 16,
+    # 6-7 seed, 8 top_k | reserved << 16, 9 temperature, 10 top_p, 11 reserved. Most rules are
+    # "these bits are 0" or "at most this" on one word: one masked compare of the whole table.
     w = e.view(np.dtype("<u4")).reshape(-1, REQ_ENTRY_SIZE // 4)
     n_rows = w[:, 4]
     total = int(n_rows.sum(dtype=np.int64))
@@ -206,31 +207,49 @@ def check_step_shape(view: StepView, *, row_bytes: int, max_slots: int, max_rows
                             f" {h.n_rows}", field="n_rows", value=total, limit=h.n_rows)
     if h.n_req == 0:
         return
-    slot, w5, w8 = w[:, 0], w[:, 5], w[:, 8]
-    flags = w5 >> 16
-    top_k = w8 & 0xFFFF
-    release = (flags & RF_RELEASE) != 0
-    per_entry = (
-        (slot < max_slots)
-        & (n_rows <= w[:, 2])
-        & ((w5 & 0xFFFF) <= num_spec)
-        & (top_k <= MAX_TOP_K)
-        & ((flags | KNOWN_REQ_FLAGS) == KNOWN_REQ_FLAGS)
-        & ~(release & ((n_rows != 0) | ((flags & RF_NEED_DRAFT) != 0)))
-        & ((w8 >> 16) == 0)
-        & (w[:, 11] == 0)
-    )
-    floats = w[:, 9:11].view(np.dtype("<f4"))  # temperature, top_p
-    if sampled:
+    mask, upper = _word_bounds(max_slots, num_spec, sampled)
+    w5 = w[:, 5]
+    ok = (max_slots > 0 and not ((w & mask) > upper).any()
+          and not (n_rows > w[:, 2]).any())
+    if ok and (w5 & (RF_RELEASE << 16)).any():
+        release = (w5 & (RF_RELEASE << 16)) != 0
+        ok = not (release & ((n_rows != 0) | ((w5 & (RF_NEED_DRAFT << 16)) != 0))).any()
+    if ok and sampled:
+        top_k = w[:, 8]  # the reserved half is 0 by now
+        floats = w[:, 9:11].view(np.dtype("<f4"))  # temperature, top_p
         temp, top_p = floats[:, 0], floats[:, 1]
-        per_entry &= (top_k == 0) | (np.isfinite(temp) & (temp > 0)
-                                     & np.isfinite(top_p) & (top_p >= 0) & (top_p <= 1))
-    else:  # sampling fields 0 (a float -0.0 counts as 0, as in the search below)
-        per_entry &= (w[:, 6] == 0) & (w[:, 7] == 0) & (top_k == 0) & (floats == 0).all(axis=1)
-    srt = np.sort(slot)
-    if per_entry.all() and bool((srt[1:] != srt[:-1]).all()):
+        ok = bool(((top_k == 0) | (np.isfinite(temp) & (temp > 0) & np.isfinite(top_p)
+                                    & (top_p >= 0) & (top_p <= 1))).all())
+    # Slots are below max_slots by now: a repeat is a count above 1.
+    if ok and (h.n_req == 1 or int(np.bincount(w[:, 0], minlength=1).max()) == 1):
         return
     _raise_first_shape(view, max_slots, num_spec, sampled)
+
+
+@lru_cache(maxsize=64)
+def _word_bounds(max_slots: int, num_spec: int, sampled: bool) -> tuple[
+        npt.NDArray[np.uint32], npt.NDArray[np.uint32]]:
+    """Per word of a request entry, (mask, upper): the entry passes the one-word rules of 7.2
+    step 3 when ``word & mask <= upper`` for every word. Word 5 keeps n_out (low half) and the
+    unknown flag bits (above bit 18): with any unknown bit set it exceeds every n_out bound.
+    top_k with the reserved half-word above it, and the reserved word, are bounds too; on a
+    greedy session the seed, top_k and both floats must be 0, a float -0.0 included (its sign
+    bit is masked off)."""
+    full = U32_MASK
+    mask = np.zeros(REQ_ENTRY_SIZE // 4, dtype=np.uint32)
+    upper = np.full(REQ_ENTRY_SIZE // 4, full, dtype=np.uint32)
+    mask[0], upper[0] = full, max(max_slots - 1, 0)  # slot < max_slots
+    # n_out <= num_spec and known flags only (num_spec is a u16, below every flag bit)
+    mask[5], upper[5] = full & ~(KNOWN_REQ_FLAGS << 16), min(num_spec, 0xFFFF)
+    mask[8], upper[8] = full, MAX_TOP_K  # top_k <= 32 and the reserved half 0
+    mask[11], upper[11] = full, 0  # reserved
+    if not sampled:
+        mask[6:9] = full
+        upper[6:9] = 0
+        mask[9:11], upper[9:11] = 0x7FFFFFFF, 0
+    mask.flags.writeable = False
+    upper.flags.writeable = False
+    return mask, upper
 
 
 def _raise_first_shape(view: StepView, max_slots: int, num_spec: int, sampled: bool) -> None:

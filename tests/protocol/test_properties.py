@@ -31,6 +31,7 @@ from protocol.messages import (
     decode_step,
     entries_from_view,
     pack_reset,
+    pack_step,
     pack_step_prefix,
     reply_layout,
     rows_offset_for,
@@ -332,3 +333,51 @@ def test_reply_decoder_and_value_checks_raise_only_wire_errors(
         except ReplyValueError as exc:
             assert exc.entry is not None, f"the search found no offender: {exc}"
 
+
+
+_WORD_VALUES = [0, 1, 2, 3, 4, 7, 8, 32, 33, 0xFFFF, 0x10000, 0x20000, 0x40000, 0x50000,
+                0x80000, 0x3F800000, 0x7F800000, 0x7FC00000, 0x80000000, 0xBF800000,
+                0xFFFFFFFF]
+
+
+@FUZZ
+@given(st.integers(1, 6), st.integers(1, 8), st.integers(0, 8), st.booleans(), st.data())
+def test_step_shape_fast_pass_agrees_with_the_entry_by_entry_search(
+        n_req: int, max_slots: int, num_spec: int, is_sampled: bool,
+        data: st.DataObject) -> None:
+    """The vectorised pass of check_step_shape accepts a STEP exactly when the record-by-record
+    search (the rules as written) finds no offender: valid entries with a few words mutated."""
+    from protocol.validate import _raise_first_shape
+
+    n_req = min(n_req, max_slots)
+    slots = data.draw(st.permutations(range(max_slots)))[:n_req]
+    entries = []
+    for slot in slots:
+        top_k = data.draw(st.sampled_from([0, 1, 32])) if is_sampled else 0
+        rows = data.draw(st.integers(0, 2))
+        entries.append(ReqEntry(
+            slot=slot, generation=data.draw(st.integers(0, 3)),
+            anchor_pos=rows + data.draw(st.integers(0, 1)), anchor_token=1, n_rows=rows,
+            n_out=data.draw(st.integers(0, num_spec)),
+            flags=data.draw(st.sampled_from([0, 1, 2, 3])), seed=9 if is_sampled else 0,
+            top_k=top_k, temperature=0.7 if top_k else 0.0, top_p=0.9 if top_k else 0.0))
+    n_rows = sum(e.n_rows for e in entries)
+    body = bytearray(pack_step(1, entries, bytes(n_rows * 4), 4))
+    words = np.frombuffer(body, dtype="<u4", count=12 * n_req, offset=32).reshape(n_req, 12)
+    for _ in range(data.draw(st.integers(0, 2))):
+        # every word a rule reads except n_rows (the header's total must still match)
+        i, j = data.draw(st.integers(0, n_req - 1)), data.draw(st.sampled_from(
+            [0, 2, 5, 6, 7, 8, 9, 10, 11]))
+        words[i, j] = data.draw(st.one_of(st.integers(0, 4), st.sampled_from(_WORD_VALUES)))
+    view = decode_step(bytes(body))
+    kw = dict(row_bytes=4, max_slots=max_slots, max_rows_per_step=64, num_spec=num_spec)
+    try:
+        check_step_shape(view, sampled=is_sampled, **kw)  # type: ignore[arg-type]
+        passed = True
+    except BadFrameError as exc:
+        passed = False
+        assert exc.field is not None, f"the vectorised pass refused what the search accepts: {exc}"
+    if passed:
+        with pytest.raises(BadFrameError) as found:
+            _raise_first_shape(view, max_slots, num_spec, is_sampled)
+        assert found.value.field is None, f"the vectorised pass accepted an offender: {found.value}"

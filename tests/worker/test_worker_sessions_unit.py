@@ -78,6 +78,30 @@ def test_plan_and_commit_step() -> None:
     assert p4.reset.tolist() == [True] and not p4.stale.any()
 
 
+
+def test_steady_step_plans_like_the_general_rules() -> None:
+    """A STEP that continues every known generation without RESET or RELEASE takes the short
+    path; its plan is what the general rules give, and committing it changes no generation."""
+    t = SessionTable(max_sessions=4, lane_capacity=16, idle_s=60)
+    s = t.hello(7, 1, hello(), conn_id=1, now=0).session
+    first = entries((0, 5, RF_NEED_DRAFT), (2, 9, 0))
+    t.commit_step(s, plan_step(s, first), first, 2, 1.0)
+    e = entries((2, 9, RF_NEED_DRAFT), (0, 5, 0))
+    p = plan_step(s, e)
+    assert p.steady
+    assert p.slots.tolist() == [2, 0] and p.apply.tolist() == [True, True]
+    assert not (p.stale.any() or p.reset.any() or p.release.any())
+    assert p.need_draft.tolist() == [True, False]
+    gen, live, n_live = s.generation.copy(), s.live.copy(), s.n_live
+    t.commit_step(s, p, e, 3, 2.0)
+    assert (s.generation == gen).all() and (s.live == live).all() and s.n_live == n_live
+    assert s.last_seq == 3 and s.steps == 2
+    # Any one entry off the steady path sends the whole STEP through the general rules.
+    for off in ((2, 9, RF_RESET), (2, 10, 0), (2, 8, 0), (1, 1, 0), (2, 9, RF_RELEASE)):
+        q = plan_step(s, entries((0, 5, 0), off))
+        assert not q.steady, off
+        assert q.reset.any() or q.stale.any() or q.release.any(), off
+
 def test_hello_create_resume_recreate() -> None:
     t = SessionTable(max_sessions=4, lane_capacity=16, idle_s=60)
     r = t.hello(7, 1, hello(), conn_id=1, now=0)
