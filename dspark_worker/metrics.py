@@ -39,10 +39,16 @@ dspark_worker_batch_entries                 histogram  entries drafted per draft
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
+from itertools import accumulate
 from typing import Final
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from protocol.constants import FRAME_STATUS_NAMES, OP_NAMES, REQ_STATUS_NAMES, RS_OK
 
@@ -51,6 +57,8 @@ STAGES: Final = ("decode", "queue", "apply", "draft", "encode", "step")
 # 20 us .. 5 s: a STEP's host work is tens of microseconds, a large batch's draft many ms.
 LATENCY_BUCKETS: Final = (20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3,
                           50e-3, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_LE: Final = [str(floatToGoString(b)) for b in LATENCY_BUCKETS] + [  # type: ignore[no-untyped-call]
+    "+Inf"]
 BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Samples kept per stage for the STATS quantiles: the last few seconds at full load.
 LATENCY_WINDOW: Final = 2048
@@ -96,19 +104,6 @@ class Metrics:
         self.registry = registry
         p = PREFIX
         r = registry
-        self.frames = Counter(f"{p}_frames", "Frames answered, by op and frame status.",
-                              ["op", "status"], registry=r)
-        self.request_status = Counter(f"{p}_request_status",
-                                      "STEP entries answered, by request status.", ["status"],
-                                      registry=r)
-        self.rows_received = Counter(f"{p}_rows_received",
-                                     "Tap rows received in accepted STEPs.", registry=r)
-        self.received_bytes = Counter(f"{p}_received_bytes",
-                                      "Bytes of frames received (headers and bodies).",
-                                      registry=r)
-        self.sent_bytes = Counter(f"{p}_sent_bytes", "Bytes of replies sent.", registry=r)
-        self.drafted_positions = Counter(f"{p}_drafted_positions",
-                                         "Draft positions returned to clients.", registry=r)
         self.hello_refusals = Counter(f"{p}_hello_refusals", "HELLOs refused, by frame status.",
                                       ["status"], registry=r)
         self.sessions_dropped = Counter(f"{p}_sessions_dropped",
@@ -137,39 +132,32 @@ class Metrics:
         self.info = Gauge(f"{p}_info", "Constant 1; what this worker runs.",
                           ["version", "worker_name", "device", "dtype", "drafter_identity",
                            "markov_identity"], registry=r)
-        self.stage_seconds = Histogram(f"{p}_stage_duration_seconds",
-                                       "Time per STEP stage: decode (decode, checks, session"
-                                       " bookkeeping), queue, apply (rows into rings), draft"
-                                       " (per batch), encode, step (last byte to reply).",
-                                       ["stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_steps = Histogram(f"{p}_batch_steps", "STEPs per device batch.",
                                      buckets=BATCH_BUCKETS, registry=r)
         self.batch_entries = Histogram(f"{p}_batch_entries",
                                        "Entries drafted per drafter call.",
                                        buckets=BATCH_BUCKETS, registry=r)
-        # Children resolved once: labels() costs a dict lookup and a lock per call.
-        self._stage = {s: self.stage_seconds.labels(stage=s) for s in STAGES}
+        # The per-STEP families are plain numbers here, exported when scraped (_StepFamilies):
+        # a prometheus_client child costs a lock per update, and a STEP makes about ten.
         self.windows = {s: LatencyWindow() for s in STAGES}
-        self._frames: dict[tuple[int, int], Counter] = {}
-        self._req = {rs: self.request_status.labels(status=name)
-                     for rs, name in REQ_STATUS_NAMES.items()}
-        self._req_ok = self._req[RS_OK]
-        # Counters for the STATS totals (prometheus children are not meant to be read back).
+        self.frame_counts: dict[tuple[int, int], int] = {}
+        self.request_counts = [0] * (max(REQ_STATUS_NAMES) + 1)
+        self.stage_buckets = {s: [0] * (len(LATENCY_BUCKETS) + 1) for s in STAGES}
+        self.stage_sums = dict.fromkeys(STAGES, 0.0)
+        # Totals, for STATS and for the counters of the same names.
         self.totals: dict[str, int] = {"steps": 0, "rows": 0, "drafted_positions": 0,
                                        "frames": 0, "received_bytes": 0, "sent_bytes": 0}
         self.refusals: dict[str, int] = {}
+        registry.register(_StepFamilies(self))
 
     def observe_stage(self, stage: str, seconds: float) -> None:
-        self._stage[stage].observe(seconds)
+        self.stage_buckets[stage][bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.stage_sums[stage] += seconds
         self.windows[stage].add(seconds)
 
     def frame(self, op: int, status: int) -> None:
         key = (op, status)
-        child = self._frames.get(key)
-        if child is None:
-            child = self.frames.labels(op=op_label(op), status=frame_status_label(status))
-            self._frames[key] = child
-        child.inc()
+        self.frame_counts[key] = self.frame_counts.get(key, 0) + 1
         self.totals["frames"] += 1
         if status:
             name = f"{op_label(op)}:{frame_status_label(status)}"
@@ -177,35 +165,71 @@ class Metrics:
 
     def request_statuses(self, counts: np.ndarray) -> None:
         """``counts[rs]`` entries answered with request status ``rs``."""
-        for rs, n in enumerate(counts.tolist()):
-            if n:
-                child = self._req.get(rs)
-                if child is not None:
-                    child.inc(n)
+        mine = self.request_counts
+        for rs, n in enumerate(counts[:len(mine)].tolist()):
+            mine[rs] += n
 
     def request_status_ok(self, n: int) -> None:
         """``n`` entries answered RS_OK (the usual STEP)."""
-        if n:
-            self._req_ok.inc(n)
+        self.request_counts[RS_OK] += n
 
     def step_accepted(self, rows: int, received_bytes: int) -> None:
         self.totals["steps"] += 1
         self.totals["rows"] += rows
-        if rows:
-            self.rows_received.inc(rows)
 
     def drafted(self, positions: int) -> None:
-        if positions:
-            self.totals["drafted_positions"] += positions
-            self.drafted_positions.inc(positions)
+        self.totals["drafted_positions"] += positions
 
     def received(self, nbytes: int) -> None:
         self.totals["received_bytes"] += nbytes
-        self.received_bytes.inc(nbytes)
 
     def sent(self, nbytes: int) -> None:
         self.totals["sent_bytes"] += nbytes
-        self.sent_bytes.inc(nbytes)
 
     def latency_quantiles(self) -> dict[str, dict[str, float | int]]:
         return {s: w.quantiles() for s, w in self.windows.items()}
+
+
+class _StepFamilies(Collector):
+    """The per-STEP families, read from :class:`Metrics`' plain numbers at scrape time.
+
+    The loop thread is the only writer; a scrape (another thread) reads under the GIL and may
+    see a histogram observation's bucket before its sum, never a torn number."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # no descriptions at registration: collect() is cheap and always current
+
+    def collect(self) -> Iterator[Metric]:
+        m, p, t = self.m, PREFIX, self.m.totals
+        frames = CounterMetricFamily(f"{p}_frames", "Frames answered, by op and frame status.",
+                                     labels=["op", "status"])
+        for (op, status), n in sorted(dict(m.frame_counts).items()):
+            frames.add_metric([op_label(op), frame_status_label(status)], n)
+        yield frames
+        req = CounterMetricFamily(f"{p}_request_status",
+                                  "STEP entries answered, by request status.", labels=["status"])
+        counts = list(m.request_counts)
+        for rs, name in sorted(REQ_STATUS_NAMES.items()):
+            req.add_metric([name], counts[rs])
+        yield req
+        for name, key, text in (
+                ("rows_received", "rows", "Tap rows received in accepted STEPs."),
+                ("received_bytes", "received_bytes",
+                 "Bytes of frames received (headers and bodies)."),
+                ("sent_bytes", "sent_bytes", "Bytes of replies sent."),
+                ("drafted_positions", "drafted_positions",
+                 "Draft positions returned to clients.")):
+            yield CounterMetricFamily(f"{p}_{name}", text, value=t[key])
+        stages = HistogramMetricFamily(
+            f"{p}_stage_duration_seconds",
+            "Time per STEP stage: decode (decode, checks, session bookkeeping), queue, apply"
+            " (rows into rings), draft (per batch), encode, step (last byte to reply).",
+            labels=["stage"])
+        for stage in STAGES:
+            per_bucket, total = list(m.stage_buckets[stage]), m.stage_sums[stage]
+            cumulative = list(accumulate(per_bucket))
+            stages.add_metric([stage], list(zip(_LE, cumulative, strict=True)), total)
+        yield stages

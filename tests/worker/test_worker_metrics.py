@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import numpy as np
 import pytest
 import uvloop
 from prometheus_client import CollectorRegistry
@@ -139,3 +140,46 @@ async def _wait_ready(app: WorkerApp) -> None:
     while not app.ready:
         await asyncio.sleep(0.01)
 
+
+
+def test_step_families_follow_prometheus_rules() -> None:
+    """The per-STEP families are exported from plain numbers at scrape time: buckets are
+    cumulative with inclusive upper bounds (``le``), ``_count`` is the +Inf bucket, counters
+    carry ``_total``, every request status is there from the start."""
+    from prometheus_client import generate_latest
+
+    from dspark_worker.metrics import LATENCY_BUCKETS, Metrics
+    from protocol.constants import OP_STEP, REQ_STATUS_NAMES, RS_NO_WINDOW, ST_BAD_FRAME
+
+    m = Metrics(CollectorRegistry())
+    s0 = samples(generate_latest(m.registry).decode())
+    p = "dspark_worker_"
+    for name in REQ_STATUS_NAMES.values():
+        assert (p + "request_status_total", (("status", name),)) in s0, name
+    edge = LATENCY_BUCKETS[2]
+    for v in (1e-6, edge, edge * 1.01, 100.0):
+        m.observe_stage("apply", v)
+    m.frame(OP_STEP, 0)
+    m.frame(OP_STEP, 0)
+    m.frame(OP_STEP, ST_BAD_FRAME)
+    m.request_status_ok(5)
+    m.request_statuses(np.bincount([RS_NO_WINDOW, RS_NO_WINDOW, 0], minlength=8))
+    m.step_accepted(rows=7, received_bytes=100)
+    m.drafted(21)
+    s = samples(generate_latest(m.registry).decode())
+    le = [str(b) if b < 1 else f"{b:.1f}" for b in LATENCY_BUCKETS]
+    buckets = [value(s, p + "stage_duration_seconds_bucket", stage="apply", le=x) for x in le]
+    assert buckets[:2] == [1, 1] and buckets[2] == 2  # edge falls in its own bucket (le)
+    assert buckets[3] == 3 and buckets[-1] == 3  # 100 s only in +Inf
+    assert value(s, p + "stage_duration_seconds_bucket", stage="apply", le="+Inf") == 4
+    assert value(s, p + "stage_duration_seconds_count", stage="apply") == 4
+    assert value(s, p + "stage_duration_seconds_sum", stage="apply") == pytest.approx(
+        1e-6 + edge * 2.01 + 100.0)
+    assert value(s, p + "stage_duration_seconds_count", stage="draft") == 0
+    assert value(s, p + "frames_total", op="STEP", status="OK") == 2
+    assert value(s, p + "frames_total", op="STEP", status="BAD_FRAME") == 1
+    assert value(s, p + "request_status_total", status="OK") == 6
+    assert value(s, p + "request_status_total", status="NO_WINDOW") == 2
+    assert value(s, p + "rows_received_total") == 7
+    assert value(s, p + "drafted_positions_total") == 21
+    assert m.totals["frames"] == 3 and m.refusals == {"STEP:BAD_FRAME": 1}
