@@ -9,7 +9,12 @@ bookkeeping per STEP without torch.
    ``draft`` (every entry RF_NEED_DRAFT: the same plus one batched draft of the tiny model on
    the CPU). Reports RTT, the reply's ``worker_us`` (frame's last byte to reply) and
    RTT - worker_us (transport, client, and the worker's receive before the last byte), p50 and
-   p99 in microseconds. Compare with bench/floor.py for the same byte counts.
+   p99 in microseconds. Right after each case, in the same run, the floor for it: bench/floor.py's
+   raw echo (a blocking server in its own process) of the same request and reply bytes, holding
+   each request as long as the worker's p50 worker_us (busy, as the worker computes) and
+   reporting RTT minus the time held; then the ratio of the two. The hold matters on a VM: a
+   client that waits milliseconds for its reply wakes up slower than one in a tight ping-pong,
+   and that cost is the machine's, not the transport's.
    A PING round trip first: the transport and dispatch alone.
 2. Bookkeeping at 256 entries, in this process, with a drafter and ring pool that do nothing:
    decode + shape checks + generations/session bookkeeping (dispatch) + the runner's window
@@ -47,7 +52,11 @@ from protocol.framing import frame  # noqa: E402
 from protocol.header import AppHeader  # noqa: E402
 from protocol.messages import Hello, ReqEntry, pack_step  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from floor import bench_raw  # noqa: E402
+
 REPLY_HEADER = struct.Struct("<QIHHII")
+SEQ, SEQ_OFFSET = struct.Struct("<Q"), APP_HEADER_SIZE - 8  # the header's last field
 SIZES = (4 << 10, 256 << 10, 4 << 20)
 WINDOW = 1024
 
@@ -86,7 +95,7 @@ class RawClient:
         return h, self.view[APP_HEADER_SIZE:need]
 
 
-def bench_rtt(iters: int, unix: bool) -> None:
+def bench_rtt(iters: int, unix: bool, rounds: int) -> None:
     from dspark_worker.drafter import embedded_default
     from tests.support.worker_proc import start_worker
 
@@ -121,10 +130,8 @@ def bench_rtt(iters: int, unix: bool) -> None:
         p50, p99 = q(ping_rtt)
         print(f"worker pid {w.pid} over {'unix' if unix else 'tcp'}; PING RTT p50 {p50:.0f}"
               f" p99 {p99:.0f} us (transport + dispatch, no device work)")
-        print("STEP: RTT, worker_us and RTT - worker_us in microseconds")
-        print(f"{'frame bytes':>12} {'entries':>7} {'rows':>5} {'mode':>5} | {'RTT p50':>8}"
-              f" {'p99':>8} | {'worker p50':>10} {'p99':>8} | {'RTT-wrk p50':>11} {'p99':>8}")
         rng = np.random.default_rng(0)
+        cases = []  # (label, frame buffer, iterations)
         for size in SIZES:
             n_req, n_rows = shape_for(size, rb)
             per = n_rows // n_req
@@ -134,24 +141,45 @@ def bench_rtt(iters: int, unix: bool) -> None:
                 flags = RF_RESET | (RF_NEED_DRAFT if mode == "draft" else 0)
                 entries = [ReqEntry(slot=i, generation=1, anchor_pos=per + 10, anchor_token=1,
                                     n_rows=per, flags=flags) for i in range(n_req)]
-                body = pack_step(1, entries, rows, rb)
+                # One frame, its seq rewritten in place: the client's side is a sendall of a
+                # ready buffer, as in bench/floor.py.
+                data = bytearray(frame(OP_STEP, 0, session, pack_step(1, entries, rows, rb)))
                 n = max(30, iters if size <= 256 << 10 else iters // 4)
+                cases.append((f"{len(data):>12} {n_req:>7} {n_rows:>5} {mode:>5}", data, n))
+        results: list[list[tuple[float, ...]]] = [[] for _ in cases]
+        for _ in range(rounds):
+            for k, (_, data, n) in enumerate(cases):
                 rtt, wus = [], []
+                reply_len = 0
                 for i in range(n + n // 10):
                     seq += 1
-                    data = frame(OP_STEP, seq, session, body)
+                    SEQ.pack_into(data, SEQ_OFFSET, seq)
                     t0 = time.perf_counter()
                     h, reply = c.exchange(data)
                     dt = (time.perf_counter() - t0) * 1e6
                     if h.status != ST_OK:
                         raise SystemExit(f"STEP refused: status {h.status}")
+                    reply_len = APP_HEADER_SIZE + len(reply)
                     if i >= n // 10:
                         rtt.append(dt)
                         wus.append(REPLY_HEADER.unpack_from(reply)[4])
                 diff = [a - b for a, b in zip(rtt, wus, strict=True)]
                 (r50, r99), (w50, w99), (d50, d99) = q(rtt), q(wus), q(diff)
-                print(f"{len(data):>12} {n_req:>7} {n_rows:>5} {mode:>5} | {r50:>8.0f}"
-                      f" {r99:>8.0f} | {w50:>10.0f} {w99:>8.0f} | {d50:>11.0f} {d99:>8.0f}")
+                f50 = float("nan")
+                if not unix:  # the raw echo of the same bytes, held as long as the worker was
+                    f50, _ = bench_raw(len(data), reply_len, n, True, hold_s=w50 * 1e-6)
+                results[k].append((r50, r99, w50, w99, d50, d99, f50))
+        print(f"STEP, microseconds; each figure the median over {rounds} rounds of its p50 or"
+              f" p99 (floor: the raw echo of the same bytes held for the worker's p50)")
+        print(f"{'frame bytes':>12} {'entries':>7} {'rows':>5} {'mode':>5} | {'RTT p50':>8}"
+              f" {'p99':>8} | {'worker p50':>10} {'p99':>8} | {'RTT-wrk p50':>11} {'p99':>8}"
+              f" | {'floor':>6} {'ratio':>6}  ratio per round")
+        for (label, _, _), res in zip(cases, results, strict=True):
+            r50, r99, w50, w99, d50, d99, f50 = (statistics.median(col)
+                                                 for col in zip(*res, strict=True))
+            per_round = " ".join(f"{r[4] / r[6]:.2f}" for r in res)
+            print(f"{label} | {r50:>8.0f} {r99:>8.0f} | {w50:>10.0f} {w99:>8.0f} | {d50:>11.0f}"
+                  f" {d99:>8.0f} | {f50:>6.0f} {d50 / f50:>5.2f}x  {per_round}")
         c.sock.close()
         if w.stop() != 0:
             raise SystemExit("worker did not exit 0")
@@ -293,9 +321,11 @@ def main() -> None:
     ap.add_argument("--skip-rtt", action="store_true")
     ap.add_argument("--skip-bookkeeping", action="store_true")
     ap.add_argument("--entries", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of every STEP case, each followed by its floor")
     args = ap.parse_args()
     if not args.skip_rtt:
-        bench_rtt(args.iters, args.unix)
+        bench_rtt(args.iters, args.unix, args.rounds)
     if not args.skip_bookkeeping:
         bench_bookkeeping(args.entries, max(200, args.iters))
 

@@ -22,6 +22,7 @@ import argparse
 import json
 import multiprocessing as mp
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -34,6 +35,7 @@ from protocol.messages import reply_layout
 N = 7
 ROW_BYTES = 768  # the embedded default drafter's rows (3 taps x 128 x bf16)
 SIZES = (4 << 10, 256 << 10, 4 << 20)
+HOLD = struct.Struct("<d")
 
 
 def shape_for(size: int) -> tuple[int, int]:
@@ -63,32 +65,45 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def raw_server(listener: socket.socket, req: int, rep: int) -> None:
+def raw_server(listener: socket.socket, req: int, rep: int, hold_s: float = 0.0) -> None:
+    """Echo ``rep`` bytes per ``req`` received. With ``hold_s``, busy-wait that long before each
+    reply (as the worker computes between a STEP's last byte and its reply) and put the time
+    held, in seconds, in the reply's first 8 bytes (as the worker reports worker_us)."""
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = memoryview(bytearray(req))
-    out = bytes(rep)
+    out = bytearray(rep)
     while _recv_exact(conn, buf):
+        if hold_s:
+            t0 = time.perf_counter()
+            end = t0 + hold_s
+            while time.perf_counter() < end:
+                pass
+            HOLD.pack_into(out, 0, time.perf_counter() - t0)
         conn.sendall(out)
     conn.close()
 
 
-def _raw_server_proc(port_q: Any, req: int, rep: int) -> None:
+def _raw_server_proc(port_q: Any, req: int, rep: int, hold_s: float) -> None:
     ls = socket.create_server(("127.0.0.1", 0))
     port_q.put(ls.getsockname()[1])
-    raw_server(ls, req, rep)
+    raw_server(ls, req, rep, hold_s)
 
 
-def bench_raw(req: int, rep: int, iters: int, process: bool) -> tuple[float, float]:
+def bench_raw(req: int, rep: int, iters: int, process: bool,
+              hold_s: float = 0.0) -> tuple[float, float]:
+    """RTT p50/p99 in µs of the raw echo; with ``hold_s``, RTT minus the time the server held
+    each request (compare with the worker's RTT - worker_us)."""
     if process:
         q: Any = mp.get_context("fork").Queue()
-        p = mp.get_context("fork").Process(target=_raw_server_proc, args=(q, req, rep))
+        p = mp.get_context("fork").Process(target=_raw_server_proc,
+                                           args=(q, req, rep, hold_s))
         p.start()
         port = q.get(timeout=10)
     else:
         ls = socket.create_server(("127.0.0.1", 0))
         port = ls.getsockname()[1]
-        t = threading.Thread(target=raw_server, args=(ls, req, rep), daemon=True)
+        t = threading.Thread(target=raw_server, args=(ls, req, rep, hold_s), daemon=True)
         t.start()
     c = socket.create_connection(("127.0.0.1", port))
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -99,8 +114,9 @@ def bench_raw(req: int, rep: int, iters: int, process: bool) -> tuple[float, flo
         t0 = time.perf_counter()
         c.sendall(payload)
         _recv_exact(c, reply)
+        dt = time.perf_counter() - t0
         if i >= iters // 10:  # warm-up excluded
-            times.append(time.perf_counter() - t0)
+            times.append(dt - (HOLD.unpack_from(reply)[0] if hold_s else 0.0))
     c.close()
     if process:
         p.join(10)

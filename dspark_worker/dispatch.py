@@ -424,6 +424,7 @@ class Dispatcher:
         body_len = reply.finish(int((t_done - item.t_arrival) * 1e6))
         buf = item.reply_buf
         h.reply(ST_OK, body_len).pack_into(buf, 0)
+        conn.complete(memoryview(buf)[:APP_HEADER_SIZE + body_len])  # the reply leaves first
         m.frame(h.op, ST_OK)
         status = item.status
         if item.all_ok:
@@ -441,7 +442,6 @@ class Dispatcher:
             m.observe_stage("draft", item.draft_s)
         m.observe_stage("encode", item.encode_s)
         m.observe_stage("step", t_done - item.t_arrival)
-        conn.complete(memoryview(buf)[:APP_HEADER_SIZE + body_len])
 
     def record_batch(self, steps: int, entries: int) -> None:
         self.metrics.batch_steps.observe(steps)
