@@ -3,7 +3,8 @@ steps 4 and 5, section 8; DRAFTER.md "Inputs from the target").
 
 One :class:`RingPool` serves every session: a lane is one slot's window, and a batch of lanes
 from several sessions gathers from the same two tensors. Rows are projected once on arrival (one
-batched ``fc -> hidden_norm -> k/v`` for all rows of a STEP) and scattered to ring index
+batched ``fc -> hidden_norm -> k/v`` for all rows of a STEP and every layer at once,
+``DrafterModel.project_context_kv``) and scattered to ring index
 ``position % W``; attention never needs the ring in position order (there is no causal mask and
 RoPE is already in K), only the mask of valid slots.
 
@@ -66,8 +67,9 @@ def plan_windows(start: IntArray, end: IntArray, anchor_pos: IntArray, n_rows: I
 class RingPool:
     """Projected context K/V for ``capacity_lanes`` lanes of ``window`` positions each.
 
-    ``k`` and ``v`` are [L, lanes, kv_heads, W, head_dim] in the model dtype, reserved up front
-    (``nbytes``). Lane ids are numpy int64 arrays. Not thread-safe: one owner (the runner)."""
+    ``k`` and ``v`` are [L, lanes, kv_heads, W, head_dim] in the model dtype, the two halves of
+    ``kv``, reserved up front (``nbytes``). Lane ids are numpy int64 arrays. Not thread-safe:
+    one owner (the runner)."""
 
     def __init__(self, model: DrafterModel, capacity_lanes: int, window: int) -> None:
         if capacity_lanes <= 0:
@@ -81,11 +83,18 @@ class RingPool:
         self.device = model.fc.weight.device
         self.dtype = model.fc.weight.dtype
         self.row_bytes = c.row_bytes
-        shape = (c.num_hidden_layers, self.capacity_lanes, c.num_key_value_heads, self.window,
-                 c.head_dim)
+        shape = (2, c.num_hidden_layers, self.capacity_lanes, c.num_key_value_heads,
+                 self.window, c.head_dim)
         # Zeros, not empty: masked slots are multiplied by 0 in attention and must be finite.
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, P, Hkv, W, D]
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, P, Hkv, W, D]
+        # K and V in one tensor, so that one scatter writes both.
+        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [2, L, P, Hkv, W, D]
+        self.k = self.kv[0]  # [L, P, Hkv, W, D]
+        self.v = self.kv[1]  # [L, P, Hkv, W, D]
+        # Scatter indices that do not depend on the rows: K/V, layer, head.
+        self._kv_index = torch.arange(2, device=self.device).view(2, 1, 1, 1)
+        self._layer_index = torch.arange(c.num_hidden_layers, device=self.device).view(1, -1, 1, 1)
+        self._head_index = torch.arange(c.num_key_value_heads, device=self.device).view(1, 1, 1,
+                                                                                       -1)
         self._start = np.zeros(self.capacity_lanes, dtype=np.int64)
         self._end = np.zeros(self.capacity_lanes, dtype=np.int64)
         self._in_use = np.zeros(self.capacity_lanes, dtype=bool)
@@ -102,7 +111,7 @@ class RingPool:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.kv.nbytes
 
     @property
     def free_lanes(self) -> int:
@@ -165,7 +174,7 @@ class RingPool:
         if not (anchor.shape == counts.shape == resets.shape == ids.shape):
             raise ValueError(f"lanes {ids.shape}, anchor_pos {anchor.shape}, n_rows "
                              f"{counts.shape} and reset {resets.shape} must have one shape")
-        if np.unique(ids).size != ids.size:
+        if ids.size > 1 and (np.diff(np.sort(ids)) == 0).any():
             raise ValueError(f"lanes {ids.tolist()} repeat within one apply")
         if (counts < 0).any() or (counts > anchor).any():
             i = int(np.flatnonzero((counts < 0) | (counts > anchor))[0])
@@ -177,14 +186,17 @@ class RingPool:
         new_start, new_end, write_from, first = plan_windows(
             self._start[ids], self._end[ids], anchor, counts, resets, self.window)
         n_write = anchor - write_from  # [E]
-        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]) if ids.size else counts
-        row_lane = np.repeat(ids, n_write)  # [R]
-        local = np.arange(int(n_write.sum())) - np.repeat(np.cumsum(n_write) - n_write, n_write)
-        row_pos = np.repeat(write_from, n_write) + local  # [R]
-        row_index = np.repeat(offsets + (write_from - first), n_write) + local  # [R]
-        if row_index.size:
-            # Every row is written unless an entry carried more than W: skip the host gather.
-            picked = table if row_index.size == total else table[row_index]
+        n_total = int(n_write.sum())
+        if n_total:
+            ends = np.cumsum(n_write)  # [E]
+            local = np.arange(n_total) - np.repeat(ends - n_write, n_write)  # [R] within entry
+            row_lane = np.repeat(ids, n_write)  # [R]
+            row_pos = np.repeat(write_from, n_write) + local  # [R]
+            if n_total == total:  # every row is written (no entry carried more than W)
+                picked = table
+            else:  # the newest W rows of each entry: a host gather
+                offsets = np.cumsum(counts) - counts  # [E] each entry's first row in the table
+                picked = table[np.repeat(offsets + (write_from - first), n_write) + local]
             with torch.inference_mode():
                 self._write(picked, row_lane, row_pos)
         self._start[ids] = new_start
@@ -206,22 +218,18 @@ class RingPool:
         return table.reshape(total, self.row_bytes)
 
     def _write(self, table: npt.NDArray[np.uint8], lane: IntArray, pos: IntArray) -> None:
-        """Project the rows (one batch) and scatter them to (lane, pos % W)."""
-        model = self.model
+        """Project the rows (one batch, every layer at once) and scatter K and V to
+        (lane, pos % W) in one write."""
         r = table.shape[0]
         meta = np.stack([lane, pos, pos % self.window])  # [3, R]
         bf16 = self._upload_rows(table)  # [R, tap_width] bf16 on device
         meta_t = self._upload(meta)  # [3, R] int64
-        taps = bf16.to(self.dtype)  # [R, tap_width]
-        k, v = model.project_context(taps, meta_t[1])  # [L, R, Hkv, D] each
-        c = model.config
-        layers = torch.arange(c.num_hidden_layers, device=self.device).view(-1, 1, 1)  # [L,1,1]
-        heads = torch.arange(c.num_key_value_heads, device=self.device).view(1, 1, -1)  # [1,1,H]
-        lane_t = meta_t[0].view(1, r, 1)  # [1, R, 1]
-        slot_t = meta_t[2].view(1, r, 1)  # [1, R, 1]
-        index = (layers, lane_t, heads, slot_t)  # broadcast to [L, R, Hkv]
-        self.k.index_put_(index, k)  # k [L, R, Hkv, D] into [L, P, Hkv, W, D]
-        self.v.index_put_(index, v)
+        kv = self.model.project_context_kv(bf16.to(self.dtype), meta_t[1])  # [2, L, R, Hkv, D]
+        lane_t = meta_t[0].view(1, 1, r, 1)  # [1, 1, R, 1]
+        slot_t = meta_t[2].view(1, 1, r, 1)  # [1, 1, R, 1]
+        # broadcast to [2, L, R, Hkv]: kv [2, L, R, Hkv, D] into [2, L, P, Hkv, W, D]
+        self.kv.index_put_((self._kv_index, self._layer_index, lane_t, self._head_index, slot_t),
+                           kv)
 
     def _upload_rows(self, table: npt.NDArray[np.uint8]) -> Tensor:
         host = _as_int16(table)  # [R, tap_width]
