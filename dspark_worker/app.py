@@ -30,7 +30,7 @@ from .buffers import BufferPool, pinned_factory
 from .config import WorkerConfig, frame_limit, parse_host_port
 from .dispatch import Dispatcher, WorkerInfo, rss_bytes
 from .metrics import Metrics
-from .runner import Runner
+from .runner import Runner, new_device_thread
 from .server import MetricsServer, WorkerServer
 from .sessions import SessionTable
 
@@ -100,6 +100,9 @@ class WorkerApp:
         self.pool: Any = None
         self.buffers: BufferPool | None = None
         self._expiry_task: asyncio.Task[None] | None = None
+        # Every torch call (load, ring pool, warm-up, batches) on one thread: see
+        # runner.new_device_thread.
+        self._device = new_device_thread()
         self._stop_event: asyncio.Event | None = None
         self._stopped = False
         self.failed = False  # the runner died: exit 1 so the worker is restarted
@@ -133,7 +136,7 @@ class WorkerApp:
             log.info("loading drafter: %s on %s%s", c.checkpoint or "embedded default",
                      c.device, f" ({resolve_device(c.device)})" if c.device == "auto" else "")
             try:
-                self.drafter = await loop.run_in_executor(None, load_drafter_for, c)
+                self.drafter = await loop.run_in_executor(self._device, load_drafter_for, c)
             except Exception as exc:
                 raise StartupError(f"cannot load the drafter ({c.checkpoint or 'embedded'}):"
                                    f" {type(exc).__name__}: {exc}") from exc
@@ -145,7 +148,8 @@ class WorkerApp:
                  d.markov_identity.hex(), device, dtype, d.num_spec, d.row_bytes, d.n_taps,
                  d.target_hidden, d.vocab_size, time.perf_counter() - t0)
         try:
-            self.pool = d.new_pool(c.max_total_slots, c.window)
+            self.pool = await loop.run_in_executor(self._device, d.new_pool,
+                                                   c.max_total_slots, c.window)
         except Exception as exc:
             raise StartupError(f"cannot reserve the ring pool ({c.max_total_slots} slots of"
                                f" W {c.window}): {type(exc).__name__}: {exc}") from exc
@@ -154,7 +158,7 @@ class WorkerApp:
         self.metrics.window_memory.set(self.pool.nbytes)
         if c.warmup:
             t1 = time.perf_counter()
-            await loop.run_in_executor(None, d.warmup)
+            await loop.run_in_executor(self._device, d.warmup)
             log.info("warmed up in %.2f s", time.perf_counter() - t1)
 
         info = WorkerInfo(
@@ -175,7 +179,8 @@ class WorkerApp:
         holder: dict[str, Dispatcher] = {}
         self.runner = Runner(d, self.pool, window=c.window,
                              complete=lambda item: holder["d"].complete(item),
-                             on_batch=lambda s, e: holder["d"].record_batch(s, e))
+                             on_batch=lambda s, e: holder["d"].record_batch(s, e),
+                             device_thread=self._device)
         self.dispatcher = Dispatcher(info, table, self.runner, self.metrics, secret=secret,
                                      shed_queue_steps=c.shed_queue_steps,
                                      stats_extra=self._stats_extra)
@@ -325,6 +330,7 @@ class WorkerApp:
                 await self._expiry_task
         if self.runner is not None:
             await self.runner.stop()
+        self._device.shutdown(wait=False)  # the runner's, or idle if start failed before it
         if self.dispatcher is not None:
             log.info("stopped: %d sessions held at exit, %d STEPs served",
                      len(self.dispatcher.table), self.metrics.totals["steps"])

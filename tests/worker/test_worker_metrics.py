@@ -183,3 +183,52 @@ def test_step_families_follow_prometheus_rules() -> None:
     assert value(s, p + "rows_received_total") == 7
     assert value(s, p + "drafted_positions_total") == 21
     assert m.totals["frames"] == 3 and m.refusals == {"STEP:BAD_FRAME": 1}
+
+
+def test_every_torch_call_runs_on_one_device_thread(drafter: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading, the ring pool, warm-up and every batch run on the same thread (OpenMP spins
+    only while no more threads own teams than there are CPUs), never on the event loop's."""
+    seen: dict[str, set[int]] = {}
+
+    def note(what: str) -> None:
+        seen.setdefault(what, set()).add(threading.get_ident())
+
+    class Recording:
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+        def new_pool(self, *args: Any) -> Any:
+            note("new_pool")
+            return self._inner.new_pool(*args)
+
+        def warmup(self, *args: Any) -> None:
+            note("warmup")
+            self._inner.warmup(*args)
+
+        def draft(self, *args: Any, **kw: Any) -> Any:
+            note("draft")
+            return self._inner.draft(*args, **kw)
+
+    def load(config: Any) -> Any:
+        note("load")
+        return Recording(drafter)
+
+    monkeypatch.setattr(app_module, "load_drafter_for", load)
+    w = ThreadWorker(worker_config(warmup=True), None)
+    try:
+        with w.connect() as c:
+            assert c.hello(make_hello(drafter)).status == ST_OK
+            rows = tap_rows(drafter.row_bytes, 0, 1, 0, 4)
+            entries = [ReqEntry(slot=0, generation=1, anchor_pos=4, anchor_token=3, n_rows=4,
+                                flags=RF_NEED_DRAFT)]
+            assert c.step(entries, rows, drafter.row_bytes).status == ST_OK
+    finally:
+        w.stop()
+    assert set(seen) == {"load", "new_pool", "warmup", "draft"}
+    threads = set().union(*seen.values())
+    assert len(threads) == 1, seen
+    assert threads != {w._thread.ident}  # not the event loop's thread
