@@ -1,7 +1,8 @@
 """STEP round trips against a real ``dspark-worker`` subprocess, and the worker's host-side
 bookkeeping per STEP without torch.
 
-    python bench/bench_worker.py [--iters 300] [--unix] [--skip-rtt] [--skip-bookkeeping]
+    python bench/bench_worker.py [--iters 300] [--rounds 3] [--threads N] [--unix]
+                                 [--skip-rtt] [--skip-bookkeeping]
 
 1. RTT: frames of about 4 KiB, 256 KiB and 4 MiB (1, 4 and 8 entries; rows of the embedded
    drafter, 768 bytes each, every entry RF_RESET so each STEP re-applies the same rows), in two
@@ -9,12 +10,16 @@ bookkeeping per STEP without torch.
    ``draft`` (every entry RF_NEED_DRAFT: the same plus one batched draft of the tiny model on
    the CPU). Reports RTT, the reply's ``worker_us`` (frame's last byte to reply) and
    RTT - worker_us (transport, client, and the worker's receive before the last byte), p50 and
-   p99 in microseconds. Right after each case, in the same run, the floor for it: bench/floor.py's
-   raw echo (a blocking server in its own process) of the same request and reply bytes, holding
-   each request as long as the worker's p50 worker_us (busy, as the worker computes) and
-   reporting RTT minus the time held; then the ratio of the two. The hold matters on a VM: a
-   client that waits milliseconds for its reply wakes up slower than one in a tight ping-pong,
-   and that cost is the machine's, not the transport's.
+   p99 in microseconds. Every case runs in ``--rounds`` rounds; each round is followed, for the
+   same STEP, by
+   - the floor: bench/floor.py's raw echo (a blocking server in its own process) of the same
+     request and reply bytes, holding each request as long as the worker's p50 worker_us (busy,
+     as the worker computes) and reporting RTT minus the time held. The hold matters on a VM:
+     a client that waits milliseconds for its reply wakes up slower than one in a tight
+     ping-pong, and that cost is the machine's, not the transport's;
+   - bench/zmq_worker.py: the same STEP through a ZMQ REQ/REP + JSON server that applies the
+     rows to the same ring pool and drafts with the same drafter, the full RTT compared.
+   The worker and the ZMQ server get ``--threads`` intra-op threads (default: every CPU).
    A PING round trip first: the transport and dispatch alone.
 2. Bookkeeping at 256 entries, in this process, with a drafter and ring pool that do nothing:
    decode + shape checks + generations/session bookkeeping (dispatch) + the runner's window
@@ -25,12 +30,15 @@ bookkeeping per STEP without torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import socket
 import statistics
 import struct
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +62,7 @@ from protocol.messages import Hello, ReqEntry, pack_step  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from floor import bench_raw  # noqa: E402
+from zmq_worker import ZmqDraftServer  # noqa: E402
 
 REPLY_HEADER = struct.Struct("<QIHHII")
 SEQ, SEQ_OFFSET = struct.Struct("<Q"), APP_HEADER_SIZE - 8  # the header's last field
@@ -82,6 +91,7 @@ class RawClient:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = bytearray(1 << 20)
         self.view = memoryview(self.buf)
+        self.seq = 0  # of the last request sent
 
     def exchange(self, data: bytes) -> tuple[AppHeader, memoryview]:
         self.sock.sendall(data)
@@ -95,7 +105,7 @@ class RawClient:
         return h, self.view[APP_HEADER_SIZE:need]
 
 
-def bench_rtt(iters: int, unix: bool, rounds: int) -> None:
+def bench_rtt(iters: int, unix: bool, rounds: int, threads: int) -> None:
     from dspark_worker.drafter import embedded_default
     from tests.support.worker_proc import start_worker
 
@@ -107,7 +117,9 @@ def bench_rtt(iters: int, unix: bool, rounds: int) -> None:
     sock_path = f"{tmp}/w.sock"
     if unix:
         extra += ["--unix", sock_path]
-    with start_worker(*extra) as w:
+    # start_worker gives a worker one intra-op thread (for tests sharing a small box); a
+    # benchmark gives it, and the ZMQ server, the same count.
+    with start_worker(*extra, env={"OMP_NUM_THREADS": str(threads)}) as w:
         address: Any = sock_path if unix else (w.host, w.port)
         c = RawClient(address)
         hello = Hello(sample_mode=0, window=WINDOW, num_spec=d.num_spec, max_slots=16,
@@ -115,14 +127,15 @@ def bench_rtt(iters: int, unix: bool, rounds: int) -> None:
                       n_taps=d.n_taps, hidden=d.target_hidden,
                       drafter_identity=d.drafter_identity, markov_identity=d.markov_identity,
                       client_name="bench")
-        session, seq = 0xB0B, 1
-        h, _ = c.exchange(frame(OP_HELLO, seq, session, hello.pack()))
+        session = 0xB0B
+        c.seq = 1
+        h, _ = c.exchange(frame(OP_HELLO, c.seq, session, hello.pack()))
         if h.status != ST_OK:
             raise SystemExit(f"HELLO refused: {h.status}")
         ping_rtt = []
         for i in range(2 * iters):
-            seq += 1
-            data = frame(OP_PING, seq, 0)
+            c.seq += 1
+            data = frame(OP_PING, c.seq, 0)
             t0 = time.perf_counter()
             c.exchange(data)
             if i >= iters // 5:
@@ -131,7 +144,7 @@ def bench_rtt(iters: int, unix: bool, rounds: int) -> None:
         print(f"worker pid {w.pid} over {'unix' if unix else 'tcp'}; PING RTT p50 {p50:.0f}"
               f" p99 {p99:.0f} us (transport + dispatch, no device work)")
         rng = np.random.default_rng(0)
-        cases = []  # (label, frame buffer, iterations)
+        cases = []
         for size in SIZES:
             n_req, n_rows = shape_for(size, rb)
             per = n_rows // n_req
@@ -144,45 +157,77 @@ def bench_rtt(iters: int, unix: bool, rounds: int) -> None:
                 # One frame, its seq rewritten in place: the client's side is a sendall of a
                 # ready buffer, as in bench/floor.py.
                 data = bytearray(frame(OP_STEP, 0, session, pack_step(1, entries, rows, rb)))
-                n = max(30, iters if size <= 256 << 10 else iters // 4)
-                cases.append((f"{len(data):>12} {n_req:>7} {n_rows:>5} {mode:>5}", data, n))
+                cases.append(Case(
+                    label=f"{len(data):>12} {n_req:>7} {n_rows:>5} {mode:>5}", frame=data,
+                    iters=max(30, iters if size <= 256 << 10 else iters // 4), rows=rows,
+                    entries=[[e.slot, e.generation, e.anchor_pos, e.anchor_token, e.n_rows,
+                              e.flags] for e in entries]))
         results: list[list[tuple[float, ...]]] = [[] for _ in cases]
-        for _ in range(rounds):
-            for k, (_, data, n) in enumerate(cases):
-                rtt, wus = [], []
-                reply_len = 0
-                for i in range(n + n // 10):
-                    seq += 1
-                    SEQ.pack_into(data, SEQ_OFFSET, seq)
-                    t0 = time.perf_counter()
-                    h, reply = c.exchange(data)
-                    dt = (time.perf_counter() - t0) * 1e6
-                    if h.status != ST_OK:
-                        raise SystemExit(f"STEP refused: status {h.status}")
-                    reply_len = APP_HEADER_SIZE + len(reply)
-                    if i >= n // 10:
-                        rtt.append(dt)
-                        wus.append(REPLY_HEADER.unpack_from(reply)[4])
-                diff = [a - b for a, b in zip(rtt, wus, strict=True)]
-                (r50, r99), (w50, w99), (d50, d99) = q(rtt), q(wus), q(diff)
-                f50 = float("nan")
-                if not unix:  # the raw echo of the same bytes, held as long as the worker was
-                    f50, _ = bench_raw(len(data), reply_len, n, True, hold_s=w50 * 1e-6)
-                results[k].append((r50, r99, w50, w99, d50, d99, f50))
+        zmq_server: Any = (contextlib.nullcontext() if unix
+                           else ZmqDraftServer(WINDOW, 16, threads))
+        with zmq_server as z:
+            for _ in range(rounds):
+                for k, case in enumerate(cases):
+                    results[k].append(run_case(c, case, z))
         print(f"STEP, microseconds; each figure the median over {rounds} rounds of its p50 or"
-              f" p99 (floor: the raw echo of the same bytes held for the worker's p50)")
+              " p99. floor: the raw echo of")
+        print("the same bytes held for the worker's p50; zmq: the same STEP through a ZMQ"
+              " REQ/REP + JSON server doing the same work")
         print(f"{'frame bytes':>12} {'entries':>7} {'rows':>5} {'mode':>5} | {'RTT p50':>8}"
               f" {'p99':>8} | {'worker p50':>10} {'p99':>8} | {'RTT-wrk p50':>11} {'p99':>8}"
-              f" | {'floor':>6} {'ratio':>6}  ratio per round")
-        for (label, _, _), res in zip(cases, results, strict=True):
-            r50, r99, w50, w99, d50, d99, f50 = (statistics.median(col)
-                                                 for col in zip(*res, strict=True))
-            per_round = " ".join(f"{r[4] / r[6]:.2f}" for r in res)
-            print(f"{label} | {r50:>8.0f} {r99:>8.0f} | {w50:>10.0f} {w99:>8.0f} | {d50:>11.0f}"
-                  f" {d99:>8.0f} | {f50:>6.0f} {d50 / f50:>5.2f}x  {per_round}")
+              f" | {'floor':>6} {'ratio':>6} | {'zmq RTT':>7} {'ratio':>6}")
+        for case, res in zip(cases, results, strict=True):
+            r50, r99, w50, w99, d50, d99, f50, z50 = (statistics.median(col)
+                                                      for col in zip(*res, strict=True))
+            print(f"{case.label} | {r50:>8.0f} {r99:>8.0f} | {w50:>10.0f} {w99:>8.0f} |"
+                  f" {d50:>11.0f} {d99:>8.0f} | {f50:>6.0f} {d50 / f50:>5.2f}x | {z50:>7.0f}"
+                  f" {r50 / z50:>5.2f}x")
+        print("per round, RTT-wrk / floor and RTT / zmq RTT:")
+        for case, res in zip(cases, results, strict=True):
+            print(f"{case.label} | " + " ".join(f"{r[4] / r[6]:.2f}" for r in res) + " | "
+                  + " ".join(f"{r[0] / r[7]:.2f}" for r in res))
         c.sock.close()
         if w.stop() != 0:
             raise SystemExit("worker did not exit 0")
+
+
+@dataclass
+class Case:
+    label: str
+    frame: bytearray
+    iters: int
+    rows: bytes
+    entries: list[list[int]]
+
+
+def run_case(c: RawClient, case: Case, z: ZmqDraftServer | None) -> tuple[float, ...]:
+    """One round of one case: the worker, then the held floor and the ZMQ + JSON server for
+    the same STEP, one after the other (two torch processes taking turns STEP by STEP would
+    slow each other: a finished parallel region keeps its threads spinning for a while).
+    (RTT p50, p99, worker_us p50, p99, RTT - worker_us p50, p99, floor p50, ZMQ RTT p50)."""
+    n, data = case.iters, case.frame
+    rtt, wus = [], []
+    reply_len = 0
+    for i in range(n + n // 10):
+        c.seq += 1
+        SEQ.pack_into(data, SEQ_OFFSET, c.seq)
+        t0 = time.perf_counter()
+        h, reply = c.exchange(data)
+        dt = (time.perf_counter() - t0) * 1e6
+        if h.status != ST_OK:
+            raise SystemExit(f"STEP refused: status {h.status}")
+        reply_len = APP_HEADER_SIZE + len(reply)
+        if i >= n // 10:
+            rtt.append(dt)
+            wus.append(REPLY_HEADER.unpack_from(reply)[4])
+    diff = [a - b for a, b in zip(rtt, wus, strict=True)]
+    (r50, r99), (w50, w99), (d50, d99) = q(rtt), q(wus), q(diff)
+    f50 = z50 = float("nan")
+    if z is not None:  # TCP: the floor and the ZMQ server are TCP too
+        f50, _ = bench_raw(len(data), reply_len, n, True, hold_s=w50 * 1e-6)
+        times = [z.round_trip(case.entries, case.rows, i) for i in range(n + n // 10)]
+        z50, _ = q(times[n // 10:])
+    return r50, r99, w50, w99, d50, d99, f50, z50
 
 
 # -- bookkeeping without torch --------------------------------------------------------------
@@ -321,11 +366,13 @@ def main() -> None:
     ap.add_argument("--skip-rtt", action="store_true")
     ap.add_argument("--skip-bookkeeping", action="store_true")
     ap.add_argument("--entries", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch intra-op threads of the worker and the ZMQ server")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of every STEP case, each followed by its floor")
     args = ap.parse_args()
     if not args.skip_rtt:
-        bench_rtt(args.iters, args.unix, args.rounds)
+        bench_rtt(args.iters, args.unix, args.rounds, args.threads)
     if not args.skip_bookkeeping:
         bench_bookkeeping(args.entries, max(200, args.iters))
 
