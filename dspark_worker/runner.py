@@ -71,10 +71,10 @@ class Drafter(Protocol):
 class StepItem:
     """One accepted STEP on its way through the device, and then its answer."""
 
-    __slots__ = ("all_ok", "apply_s", "conn", "draft_s", "drafted", "drafting", "encode_s", "error",
-                 "header",
-                 "n_drafted", "plan", "reply", "reply_buf", "session", "shed", "skipped",
-                 "status", "storage", "t_arrival", "t_queued", "t_start", "view", "window_rows")
+    __slots__ = ("all_ok", "apply_s", "conn", "draft_s", "drafted", "drafting", "encode_s",
+                 "error", "header", "n_drafted", "plan", "reply", "reply_buf", "session", "shed",
+                 "skipped", "status", "storage", "t_arrival", "t_queued", "t_start", "view",
+                 "window_rows")
 
     def __init__(self, conn: Any, header: AppHeader, session: Session, view: StepView,
                  plan: StepPlan, storage: Buffer | None, reply_buf: Buffer, t_arrival: float,
