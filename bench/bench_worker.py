@@ -1,8 +1,8 @@
 """STEP round trips against a real ``dspark-worker`` subprocess, and the worker's host-side
 bookkeeping per STEP without torch.
 
-    python bench/bench_worker.py [--iters 300] [--rounds 3] [--threads N] [--unix]
-                                 [--skip-rtt] [--skip-bookkeeping]
+    python bench/bench_worker.py [--iters 300] [--rounds 3] [--threads N] [--device auto]
+                                 [--unix] [--skip-rtt] [--skip-bookkeeping]
 
 1. RTT: frames of about 4 KiB, 256 KiB and 4 MiB (1, 4 and 8 entries; rows of the embedded
    drafter, 768 bytes each, every entry RF_RESET so each STEP re-applies the same rows), in two
@@ -19,7 +19,8 @@ bookkeeping per STEP without torch.
      ping-pong, and that cost is the machine's, not the transport's;
    - bench/zmq_worker.py: the same STEP through a ZMQ REQ/REP + JSON server that applies the
      rows to the same ring pool and drafts with the same drafter, the full RTT compared.
-   The worker and the ZMQ server get ``--threads`` intra-op threads (default: every CPU).
+   The worker and the ZMQ server get ``--threads`` intra-op threads (default: every CPU) and
+   the same ``--device`` (default auto: CUDA when there is one, as the worker picks).
    A PING round trip first: the transport and dispatch alone.
 2. Bookkeeping at 256 entries, in this process, with a drafter and ring pool that do nothing:
    decode + shape checks + generations/session bookkeeping (dispatch) + the runner's window
@@ -105,14 +106,15 @@ class RawClient:
         return h, self.view[APP_HEADER_SIZE:need]
 
 
-def bench_rtt(iters: int, unix: bool, rounds: int, threads: int) -> None:
+def bench_rtt(iters: int, unix: bool, rounds: int, threads: int, device: str) -> None:
     from dspark_worker.drafter import embedded_default
     from tests.support.worker_proc import start_worker
 
     d = embedded_default()
     rb = d.row_bytes
     extra = ["--window", str(WINDOW), "--max-rows-per-step", "8192", "--max-slots", "16",
-             "--max-total-slots", "16", "--metrics-listen", "none", "--log-level", "WARNING"]
+             "--max-total-slots", "16", "--metrics-listen", "none", "--log-level", "WARNING",
+             "--device", device]
     tmp = tempfile.mkdtemp(prefix="dspark-bench-")
     sock_path = f"{tmp}/w.sock"
     if unix:
@@ -164,7 +166,7 @@ def bench_rtt(iters: int, unix: bool, rounds: int, threads: int) -> None:
                               e.flags] for e in entries]))
         results: list[list[tuple[float, ...]]] = [[] for _ in cases]
         zmq_server: Any = (contextlib.nullcontext() if unix
-                           else ZmqDraftServer(WINDOW, 16, threads))
+                           else ZmqDraftServer(WINDOW, 16, threads, device))
         with zmq_server as z:
             for _ in range(rounds):
                 for k, case in enumerate(cases):
@@ -368,11 +370,13 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=256)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="torch intra-op threads of the worker and the ZMQ server")
+    ap.add_argument("--device", default="auto",
+                    help="the worker's and the ZMQ server's device (auto: CUDA when present)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of every STEP case, each followed by its floor")
     args = ap.parse_args()
     if not args.skip_rtt:
-        bench_rtt(args.iters, args.unix, args.rounds, args.threads)
+        bench_rtt(args.iters, args.unix, args.rounds, args.threads, args.device)
     if not args.skip_bookkeeping:
         bench_bookkeeping(args.entries, max(200, args.iters))
 

@@ -11,7 +11,8 @@ the least a server of that design does, so the comparison flatters it, not us.
     with ZmqDraftServer(window=1024, lanes=16, threads=2) as z:
         rtt_us = z.round_trip(entries, rows)  # full round trip, microseconds
 
-The server runs in its own process, like the worker.
+The server runs in its own process, like the worker, on the device the worker would pick
+(``auto``: CUDA when there is one).
 """
 
 from __future__ import annotations
@@ -27,15 +28,16 @@ import numpy as np
 RF_NEED_DRAFT, RF_RESET = 1, 2  # protocol.constants, repeated so the server needs no import
 
 
-def _serve(addr: str, window: int, lanes: int, threads: int, ready: Any) -> None:
+def _serve(addr: str, window: int, lanes: int, threads: int, device: str, ready: Any) -> None:
     import torch
     import zmq
 
+    from dspark_worker.app import resolve_device
     from dspark_worker.drafter import embedded_default
 
     torch.set_num_threads(threads)
     torch.set_grad_enabled(False)
-    drafter = embedded_default()
+    drafter = embedded_default(resolve_device(device))  # the worker's device and dtype rule
     drafter.warmup()
     pool = drafter.new_pool(lanes, window)
     lane_ids = pool.allocate(lanes)
@@ -69,8 +71,8 @@ def _serve(addr: str, window: int, lanes: int, threads: int, ready: Any) -> None
 class ZmqDraftServer:
     """The server process and a REQ client connected to it."""
 
-    def __init__(self, window: int, lanes: int, threads: int) -> None:
-        self.window, self.lanes, self.threads = window, lanes, threads
+    def __init__(self, window: int, lanes: int, threads: int, device: str = "auto") -> None:
+        self.window, self.lanes, self.threads, self.device = window, lanes, threads, device
 
     def __enter__(self) -> ZmqDraftServer:
         import zmq
@@ -81,7 +83,7 @@ class ZmqDraftServer:
         self.addr = f"tcp://127.0.0.1:{port}"
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
-        args = (self.addr, self.window, self.lanes, self.threads, ready)
+        args = (self.addr, self.window, self.lanes, self.threads, self.device, ready)
         self.proc = ctx.Process(target=_serve, args=args, daemon=True)
         self.proc.start()
         if not ready.wait(120):
