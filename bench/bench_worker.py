@@ -177,13 +177,13 @@ def bench_rtt(iters: int, unix: bool, rounds: int, threads: int, device: str) ->
               " REQ/REP + JSON server doing the same work")
         print(f"{'frame bytes':>12} {'entries':>7} {'rows':>5} {'mode':>5} | {'RTT p50':>8}"
               f" {'p99':>8} | {'worker p50':>10} {'p99':>8} | {'RTT-wrk p50':>11} {'p99':>8}"
-              f" | {'floor':>6} {'ratio':>6} | {'zmq RTT':>7} {'ratio':>6}")
+              f" | {'floor':>6} {'ratio':>6} | {'zmq RTT':>7} {'server':>6} {'ratio':>6}")
         for case, res in zip(cases, results, strict=True):
-            r50, r99, w50, w99, d50, d99, f50, z50 = (statistics.median(col)
-                                                      for col in zip(*res, strict=True))
+            r50, r99, w50, w99, d50, d99, f50, z50, zs50 = (statistics.median(col)
+                                                            for col in zip(*res, strict=True))
             print(f"{case.label} | {r50:>8.0f} {r99:>8.0f} | {w50:>10.0f} {w99:>8.0f} |"
                   f" {d50:>11.0f} {d99:>8.0f} | {f50:>6.0f} {d50 / f50:>5.2f}x | {z50:>7.0f}"
-                  f" {r50 / z50:>5.2f}x")
+                  f" {zs50:>6.0f} {r50 / z50:>5.2f}x")
         print("per round, RTT-wrk / floor and RTT / zmq RTT:")
         for case, res in zip(cases, results, strict=True):
             print(f"{case.label} | " + " ".join(f"{r[4] / r[6]:.2f}" for r in res) + " | "
@@ -206,7 +206,8 @@ def run_case(c: RawClient, case: Case, z: ZmqDraftServer | None) -> tuple[float,
     """One round of one case: the worker, then the held floor and the ZMQ + JSON server for
     the same STEP, one after the other (two torch processes taking turns STEP by STEP would
     slow each other: a finished parallel region keeps its threads spinning for a while).
-    (RTT p50, p99, worker_us p50, p99, RTT - worker_us p50, p99, floor p50, ZMQ RTT p50)."""
+    (RTT p50, p99, worker_us p50, p99, RTT - worker_us p50, p99, floor p50, ZMQ RTT p50, ZMQ
+    server time p50)."""
     n, data = case.iters, case.frame
     rtt, wus = [], []
     reply_len = 0
@@ -224,12 +225,16 @@ def run_case(c: RawClient, case: Case, z: ZmqDraftServer | None) -> tuple[float,
             wus.append(REPLY_HEADER.unpack_from(reply)[4])
     diff = [a - b for a, b in zip(rtt, wus, strict=True)]
     (r50, r99), (w50, w99), (d50, d99) = q(rtt), q(wus), q(diff)
-    f50 = z50 = float("nan")
+    f50 = z50 = zs50 = float("nan")
     if z is not None:  # TCP: the floor and the ZMQ server are TCP too
         f50, _ = bench_raw(len(data), reply_len, n, True, hold_s=w50 * 1e-6)
-        times = [z.round_trip(case.entries, case.rows, i) for i in range(n + n // 10)]
+        times, server = [], []
+        for i in range(n + n // 10):
+            times.append(z.round_trip(case.entries, case.rows, i))
+            server.append(z.last_server_us)
         z50, _ = q(times[n // 10:])
-    return r50, r99, w50, w99, d50, d99, f50, z50
+        zs50, _ = q(server[n // 10:])
+    return r50, r99, w50, w99, d50, d99, f50, z50, zs50
 
 
 # -- bookkeeping without torch --------------------------------------------------------------

@@ -47,6 +47,7 @@ def _serve(addr: str, window: int, lanes: int, threads: int, device: str, ready:
     ready.set()
     while True:
         parts = s.recv_multipart(copy=False)
+        t0 = time.perf_counter()
         head = json.loads(bytes(parts[0].buffer))
         if head.get("stop"):
             s.send(b"{}")
@@ -63,6 +64,7 @@ def _serve(addr: str, window: int, lanes: int, threads: int, device: str, ready:
             out["draft_ids"] = np.asarray(r.draft_ids).tolist()
             out["confidence"] = np.asarray(r.confidence).tolist()
             out["margin"] = np.asarray(r.margin).tolist()
+        out["server_us"] = int((time.perf_counter() - t0) * 1e6)
         s.send(json.dumps(out).encode())
     s.close(linger=0)
     ctx.term()
@@ -94,7 +96,8 @@ class ZmqDraftServer:
         return self
 
     def round_trip(self, entries: list[list[int]], rows: bytes, step_id: int = 1) -> float:
-        """One STEP: send, receive and decode the reply; the round trip in microseconds."""
+        """One STEP: send, receive and decode the reply; the round trip in microseconds. The
+        server's own time (its ``worker_us``) is left in ``last_server_us``."""
         t0 = time.perf_counter()
         self.sock.send_multipart([json.dumps({"step_id": step_id, "entries": entries}).encode(),
                                   rows], copy=False)
@@ -102,6 +105,7 @@ class ZmqDraftServer:
         dt = (time.perf_counter() - t0) * 1e6
         if reply.get("step_id") != step_id:
             raise RuntimeError(f"ZMQ draft server answered {reply!r}")
+        self.last_server_us = int(reply["server_us"])
         return dt
 
     def __exit__(self, *exc: object) -> None:
