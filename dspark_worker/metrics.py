@@ -74,7 +74,7 @@ def frame_status_label(status: int) -> str:
 
 class LatencyWindow:
     """The last ``size`` samples of one stage, for STATS quantiles. Loop thread only: the
-    runner thread measures, dispatch records once the batch is back."""
+    device thread measures, dispatch records once the batch is back."""
 
     def __init__(self, size: int = LATENCY_WINDOW) -> None:
         self._values = [0.0] * size

@@ -7,7 +7,7 @@ every ring operation (allocate, free, release, apply, draft) happens here, one b
 in the order it was submitted.
 
 How a batch forms: the runner task sleeps until something is queued, then takes the queue from
-the front, in order, and runs it as one batch in a worker thread (``run_in_executor``), so the
+the front, in order, and runs it as one batch on the device thread (``run_in_executor``), so the
 event loop keeps receiving while the device works. Everything that arrives meanwhile waits and
 becomes the next batch: STEPs from several engines that arrive while the device is busy are
 drafted together. A batch is cut before a STEP or lane operation of a session that already has a
@@ -119,7 +119,7 @@ Op = StepItem | LaneOp
 
 
 class Runner:
-    """Owns the ring pool; drafts batches of STEPs in a worker thread."""
+    """Owns the ring pool; drafts batches of STEPs on the device thread."""
 
     def __init__(self, drafter: Drafter, pool: Any, *, window: int,
                  complete: Callable[[StepItem], None],
@@ -250,7 +250,7 @@ class Runner:
             batch.append(op)
         return batch
 
-    # -- device side (the runner thread) ----------------------------------------------------------
+    # -- device side (the device thread) ----------------------------------------------------------
     def _execute(self, batch: list[Op]) -> None:
         steps: list[StepItem] = []
         for op in batch:
