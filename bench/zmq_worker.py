@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-RF_NEED_DRAFT, RF_RESET = 1, 2  # protocol.constants, repeated so the server needs no import
+from protocol.constants import RF_NEED_DRAFT, RF_RESET
 
 
 def _serve(addr: str, window: int, lanes: int, threads: int, device: str, ready: Any) -> None:

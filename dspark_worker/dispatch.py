@@ -76,7 +76,6 @@ from protocol.constants import (
     OP_STEP,
     REQ_STATUS_NAMES,
     RF_NEED_DRAFT,
-    RS_OK,
     SAMPLE_GREEDY,
     SAMPLE_MODE_NAMES,
     SAMPLE_TOP32,
@@ -224,7 +223,6 @@ class Dispatcher:
         }
         self._refusal_log = RateLimitedLog(log)
         self._dropped_counts: dict[str, int] = {}
-        self._req_counts = np.zeros(max(REQ_STATUS_NAMES) + 1, dtype=np.int64)
         self._hello_reply_ok: dict[bool, bytes] = {}
         # Gauges read when scraped: nothing to keep up to date per frame.
         metrics.sessions.set_function(lambda: len(table))
@@ -395,7 +393,7 @@ class Dispatcher:
         bad = ((entries["flags"] & RF_NEED_DRAFT) != 0) & (tokens >= self.info.vocab_size)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            slot, token = int(entries["slot"][i]), int(entries["anchor_token"][i])
+            slot, token = int(entries["slot"][i]), int(tokens[i])
             raise BadFrameError(f"slot {slot}: anchor_token {token} is not below vocab_size"
                                 f" {self.info.vocab_size}", field="anchor_token", value=token,
                                 limit=self.info.vocab_size, entry=i, slot=slot)
@@ -427,13 +425,11 @@ class Dispatcher:
         conn.complete(memoryview(buf)[:APP_HEADER_SIZE + body_len])  # the reply leaves first
         m.frame(h.op, ST_OK)
         status = item.status
-        if item.all_ok:
-            self._req_counts[RS_OK] += status.size if status is not None else 0
-            m.request_status_ok(status.size if status is not None else 0)
-        elif status is not None:
-            counts = np.bincount(status, minlength=self._req_counts.size)
-            self._req_counts += counts[:self._req_counts.size]
-            m.request_statuses(counts)
+        if status is not None:
+            if item.all_ok:
+                m.request_status_ok(status.size)
+            else:
+                m.request_statuses(np.bincount(status))
         m.drafted(item.n_drafted)
         item.session.drafted += item.n_drafted
         m.observe_stage("queue", item.t_start - item.t_queued)
@@ -528,8 +524,8 @@ class Dispatcher:
         totals: dict[str, Any] = dict(m.totals)
         totals["batches"] = self.runner.batches
         totals["refusals"] = dict(m.refusals)
-        totals["request_status"] = {REQ_STATUS_NAMES[rs]: int(n)
-                                    for rs, n in enumerate(self._req_counts.tolist())
+        totals["request_status"] = {REQ_STATUS_NAMES[rs]: n
+                                    for rs, n in enumerate(m.request_counts)
                                     if rs in REQ_STATUS_NAMES}
         totals["sessions_dropped"] = dict(self._dropped_counts)
         out: dict[str, Any] = {

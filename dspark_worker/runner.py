@@ -303,29 +303,25 @@ class Runner:
             raise InternalError(f"session {s.session_id:#010x} holds no ring lanes")
         anchor, counts = plan.anchor_pos, plan.n_rows
         n = anchor.size
-        if plan.steady:  # every entry applies; nothing is stale or released
-            lanes = lanes_all[plan.slots]
-            self.pool.apply(lanes, anchor, counts, plan.reset, item.view.rows)
-            wr = self.pool.window_rows(lanes, anchor)
-        else:
-            wr = np.zeros(n, dtype=np.int64)
-            applied = plan.apply
-            if applied.any():
-                lanes = lanes_all[plan.slots[applied]]
-                rows = item.view.rows
-                if not applied.all() and counts[~applied].any():
-                    # A stale entry's rows are left out (7.1): gather the others' rows (a copy;
-                    # a stale generation is rare and ends the session on the client's side).
-                    ends = np.cumsum(counts)
-                    keep = np.concatenate([np.arange(end - c, end) for end, c, a
-                                           in zip(ends, counts, applied, strict=True) if a and c]
-                                          or [np.zeros(0, dtype=np.int64)])
-                    rows = rows[keep]
-                self.pool.apply(lanes, anchor[applied], counts[applied], plan.reset[applied],
-                                rows)
-                wr[applied] = self.pool.window_rows(lanes, anchor[applied])
-            if plan.release.any():
-                self.pool.release(lanes_all[plan.slots[plan.release]])
+        applied = plan.apply
+        # A steady STEP applies every entry: whole columns instead of a boolean selection.
+        pick: slice | npt.NDArray[np.bool_] = slice(None) if plan.steady else applied
+        wr = np.zeros(n, dtype=np.int64)
+        if plan.steady or applied.any():
+            lanes = lanes_all[plan.slots[pick]]
+            rows = item.view.rows
+            if not plan.steady and not applied.all() and counts[~applied].any():
+                # A stale entry's rows are left out (7.1): gather the others' rows (a copy; a
+                # stale generation is rare and ends the session on the client's side).
+                ends = np.cumsum(counts)
+                keep = np.concatenate([np.arange(end - c, end) for end, c, a
+                                       in zip(ends, counts, applied, strict=True) if a and c]
+                                      or [np.zeros(0, dtype=np.int64)])
+                rows = rows[keep]
+            self.pool.apply(lanes, anchor[pick], counts[pick], plan.reset[pick], rows)
+            wr[pick] = self.pool.window_rows(lanes, anchor[pick])
+        if not plan.steady and plan.release.any():
+            self.pool.release(lanes_all[plan.slots[plan.release]])
         expected = np.minimum(anchor, self.window)
         wr = np.minimum(wr, expected)
         need = plan.need_draft
@@ -400,17 +396,18 @@ class Runner:
 
         # Sampling fields matter only where a sampled session's entry asks for top_k > 0.
         sampling = None
-        sampled = [item.view.entries[item.drafting] if item.session.sampled else None
-                   for item in items]
-        if any(e is not None and bool((e["top_k"] > 0).any()) for e in sampled):
-            def column(name: str, dtype: Any) -> Any:
-                return joined([item.view.entries[item.drafting][name] if e is None else e[name]
-                               for item, e in zip(items, sampled, strict=True)]).astype(dtype)
+        if any(item.session.sampled for item in items):
+            picked = [item.view.entries[item.drafting] for item in items]
+            if any(item.session.sampled and bool((e["top_k"] > 0).any())
+                   for item, e in zip(items, picked, strict=True)):
+                def column(name: str, dtype: Any) -> Any:
+                    return joined([e[name] for e in picked]).astype(dtype)
 
-            sampling = self._make_sampling(
-                top_k=column("top_k", np.int64), temperature=column("temperature", np.float32),
-                top_p=column("top_p", np.float32), seed=column("seed", np.uint64),
-                generation=column("generation", np.uint32))
+                sampling = self._make_sampling(
+                    top_k=column("top_k", np.int64),
+                    temperature=column("temperature", np.float32),
+                    top_p=column("top_p", np.float32), seed=column("seed", np.uint64),
+                    generation=column("generation", np.uint32))
         return self.drafter.draft(self.pool, joined(lanes).astype(np.int64, copy=False),
                                   joined(anchor), joined(token), self.num_spec,
                                   sampling=sampling)

@@ -155,13 +155,12 @@ def plan_step(session: Session, entries: npt.NDArray[Any]) -> StepPlan:
     n_rows = w[:, 4].astype(np.int64)
     need_draft = (flags & RF_NEED_DRAFT) != 0
     n = slots.size
-    if (session.live[slots].all() and not (flags & (RF_RESET | RF_RELEASE)).any()
-            and (session.generation[slots] == gen).all()):
+    known, current = session.live[slots], session.generation[slots]
+    if known.all() and not (flags & (RF_RESET | RF_RELEASE)).any() and (current == gen).all():
         no = np.zeros(n, dtype=bool)
         return StepPlan(slots, no, no, no, np.ones(n, dtype=bool), need_draft, anchor, token,
                         n_rows, n_out, gen, True)
-    known = session.live[slots]
-    order = generation_order(gen, session.generation[slots])
+    order = generation_order(gen, current)
     stale = known & (order < 0)
     new_request = ~known | (order > 0)
     release = ((flags & RF_RELEASE) != 0) & ~stale
