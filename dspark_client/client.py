@@ -52,6 +52,8 @@ from protocol.sampled import validate as validate_sampled
 from protocol.validate import check_reply_values
 
 from .config import RemoteConfig
+from .discovery import RESOLVE_RETRY_S, Discovery, Resolver
+from .placement import Placement
 from .stats import Stats
 from .transport import RpcClient, TransportError, TransportTimeout, make_client
 
@@ -68,6 +70,13 @@ AUX_REPLY_BYTES: Final = 1 << 16
 # The HELLO reply buffer: a HelloReply fits many times over.
 HELLO_REPLY_BYTES: Final = 1 << 12
 _ENTRIES_AT: Final = wire.APP_HEADER_SIZE + STEP_HEADER_SIZE  # entries' offset in a STEP frame
+# While connected, the thread wakes for re-resolution and placement changes no more often
+# than this.
+MIN_TICK_S: Final = 0.01
+
+
+class _WorkerDraining(wire.WireError):
+    """The worker answered ST_DRAINING: go to another one now; not a failure."""
 
 
 @dataclass
@@ -140,6 +149,7 @@ class RemoteDraftClient:
         transport_factory: Callable[..., RpcClient] | None = None,
         background: bool = True,
         session: int | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         if session is not None and not 0 < session <= 0xFFFFFFFF:
             raise ValueError(f"session {session} outside 1..2**32-1")
@@ -160,9 +170,20 @@ class RemoteDraftClient:
         self.disabled_reason: str | None = None
         self.worker_info: wire.HelloReply | None = None
         self.last_error: str | None = None
-        self._endpoints = cfg.all_endpoints
-        self._endpoint_index = cfg.home_index(hello.client_name)
-        self._endpoint_failures = 0  # failed connects in a row on the current endpoint
+        # The worker set and where in it to be; only the connect thread touches these (the
+        # engine thread hands a drained endpoint over through _drained).
+        self._discovery = Discovery(cfg.all_endpoints, resolver)
+        self._placement = Placement(hello.client_name, failover_after=cfg.failover_after,
+                                    return_after_s=cfg.return_after_ms / 1000.0)
+        self._next_resolve = 0.0
+        self._last_resolve = -math.inf
+        self._resolve_soon = False
+        if not self._discovery.dynamic:
+            self._placement.update(self._discovery.resolve(), time.monotonic())
+        self._endpoint = self._placement.target(time.monotonic()) or cfg.endpoint
+        self._session_endpoint: str | None = None  # where the current session was accepted
+        self._drained: str | None = None  # an endpoint whose STEP answered ST_DRAINING
+        self._retry_now = False
         self._rng = random.Random(secrets.randbits(64))
         self._backoff_ms = cfg.backoff_ms
         self._next_attempt = 0.0
@@ -204,8 +225,14 @@ class RemoteDraftClient:
 
     @property
     def endpoint(self) -> str:
-        """The endpoint the next connect tries (the current one while connected)."""
-        return self._endpoints[self._endpoint_index]
+        """The endpoint the next connect tries (the current one while connected); a
+        ``dns+tcp`` endpoint until its first resolution."""
+        return self._endpoint
+
+    @property
+    def workers(self) -> list[str]:
+        """The worker set as last resolved, in this client's order of preference."""
+        return self._placement.members
 
     def wait_ready(self, timeout: float) -> bool:
         """Block until a HELLO is accepted or the client is disabled (tools and tests; the
@@ -333,7 +360,21 @@ class RemoteDraftClient:
         if self.disabled or self._forked():
             return False
         timeout = self.cfg.connect_timeout_ms / 1000.0
-        endpoint = self.endpoint
+        now = time.monotonic()
+        self._take_drained(now)
+        self._refresh(now)
+        target = self._placement.target(now)
+        if target is None:
+            self._connect_failed(self.endpoint, TransportError(
+                f"no worker address resolved ({self._discovery.last_error or 'empty answer'})"))
+            return False
+        endpoint = self._endpoint = target
+        if self._session_endpoint is not None and endpoint != self._session_endpoint:
+            # Another worker: a new session id, so that a worker we come back to later never
+            # resumes windows that went stale meanwhile (every slot resyncs after the HELLO).
+            with self._lock:
+                self.session = self._fresh_session_locked()
+            self._session_endpoint = None
         conn: RpcClient | None = None
         with self._lock:
             session = self.session
@@ -346,6 +387,11 @@ class RemoteDraftClient:
             if rep is None:
                 conn.close()
                 return False
+        except _WorkerDraining:
+            if conn is not None:
+                conn.close()
+            self._worker_draining(endpoint, "HELLO")
+            return False
         except (TransportError, wire.WireError, OSError) as e:
             if conn is not None:
                 conn.close()
@@ -366,6 +412,8 @@ class RemoteDraftClient:
         if stale:  # HELLO again at once under the new id
             conn.close()
             return self.connect_now()
+        self._session_endpoint = endpoint
+        self._placement.connected(endpoint)
         self._shared.ready_event.set()
         self.worker_info = rep
         self.stats.inc("hellos")
@@ -374,7 +422,6 @@ class RemoteDraftClient:
                                   "max_rows_per_step": rep.max_rows_per_step,
                                   "capabilities": rep.capabilities, "resumed": rep.resumed})
         failed, self._fail_run = self._fail_run, 0
-        self._endpoint_failures = 0
         log.info("remote DSpark worker %r ready at %s (session %#010x, epoch %d)%s",
                  rep.worker_name, endpoint, session, epoch,
                  f" after {failed} failed connect attempts" if failed else "")
@@ -399,6 +446,8 @@ class RemoteDraftClient:
             if h.status in wire.FATAL_FRAME_STATUS:
                 self._disable(f"HELLO refused: {name}{self._differences(rep)}")
                 return None
+            if h.status == wire.ST_DRAINING:
+                raise _WorkerDraining("HELLO refused: DRAINING")
             raise wire.WireError(f"HELLO refused: {name}")
         if rep is None:
             raise wire.WireError(f"HELLO reply body is {len(body)} bytes, not"
@@ -441,29 +490,68 @@ class RemoteDraftClient:
         problems = self._reply_problems(rep)
         return f" ({'; '.join(problems)})" if problems else ""
 
-    def _fail_over(self, endpoint: str) -> None:
-        """Move to the next endpoint under a new session id: the next worker starts a session
-        with empty windows, and a worker we come back to later never resumes windows that went
-        stale meanwhile (every slot resyncs after the HELLO, 7.5)."""
-        self._endpoint_failures = 0
-        self._endpoint_index = (self._endpoint_index + 1) % len(self._endpoints)
-        with self._lock:
-            old = new = self.session
-            while new in (old, 0):
-                new = secrets.randbits(32)
-            self.session = new
-        self.stats.inc("failovers")
-        log.warning("remote DSpark: %s unreachable, failing over to %s (session %#010x)",
-                    endpoint, self.endpoint, new)
+    def _fresh_session_locked(self) -> int:
+        new = self.session
+        while new in (self.session, 0):
+            new = secrets.randbits(32)
+        return new
+
+    # -- the worker set and placement (connect thread only) ---------------------------------------
+    def _refresh(self, now: float) -> None:
+        """Resolve the DNS endpoints again when the interval has passed, or soon after a
+        failed connect (at most every RESOLVE_RETRY_S)."""
+        if not self._discovery.dynamic:
+            return
+        due = now >= self._next_resolve or (
+            self._resolve_soon and now - self._last_resolve >= RESOLVE_RETRY_S)
+        if not due:
+            return
+        members = self._discovery.resolve()
+        self._last_resolve = now
+        self._next_resolve = now + self.cfg.resolve_interval_ms / 1000.0
+        self._resolve_soon = False
+        self.stats.inc("resolves")
+        if self._discovery.last_error is not None:
+            self.stats.inc("resolve_failures")
+            self.stats.set("last_resolve_error", self._discovery.last_error)
+            log.warning("remote DSpark: %s", self._discovery.last_error)
+        added, removed = self._placement.update(members, now)
+        if added or removed:
+            self.stats.set("workers", len(self._placement.members))
+            log.info("remote DSpark worker set: %d workers (+%s -%s)",
+                     len(self._placement.members), added, removed)
+
+    def _take_drained(self, now: float) -> None:
+        ep, self._drained = self._drained, None
+        if ep is not None:
+            self._placement.hold(ep, now)
+
+    def _worker_draining(self, endpoint: str, where: str) -> None:
+        """``endpoint`` answered ST_DRAINING: keep away from it for the quiet period and, when
+        there is another worker, connect to it now (no backoff, no failure counted)."""
+        now = time.monotonic()
+        self.stats.inc("drained")
+        self._placement.hold(endpoint, now)
+        target = self._placement.target(now)
+        self.last_error = f"{endpoint} is draining ({where})"
+        if target is not None and target != endpoint:
+            self._retry_now = True
+            log.info("remote DSpark: %s is draining; moving to %s", endpoint, target)
+        else:
+            log.warning("remote DSpark: %s is draining and no other worker is known", endpoint)
 
     def _connect_failed(self, endpoint: str, e: BaseException) -> None:
         self.last_error = f"connect {endpoint}: {e}"
         self.stats.inc("connect_failures")
         self._fail_run += 1
-        self._endpoint_failures += 1
-        if len(self._endpoints) > 1 and self._endpoint_failures >= self.cfg.failover_after:
-            self._fail_over(endpoint)
+        self._resolve_soon = True
         now = time.monotonic()
+        if self._placement.connect_failed(endpoint, now):
+            target = self._placement.target(now)
+            if target is not None and target != endpoint:
+                self.stats.inc("failovers")
+                log.warning("remote DSpark: %s unreachable, failing over to %s", endpoint,
+                            target)
         if self._fail_run == 1:
             self._fail_logged = now
             log.warning("remote DSpark connect/HELLO to %s failed: %s", endpoint, e)
@@ -472,20 +560,96 @@ class RemoteDraftClient:
             log.warning("remote DSpark connect/HELLO to %s still failing after %d attempts: %s",
                         endpoint, self._fail_run, e)
 
+    def _while_connected(self) -> float:
+        """Re-resolve and move to a better-ranked worker when one became eligible; seconds
+        until this is worth doing again."""
+        if not self._discovery.dynamic and len(self._placement.members) < 2:
+            return math.inf
+        now = time.monotonic()
+        self._take_drained(now)
+        self._refresh(now)
+        better = self._placement.better(self._endpoint, now)
+        if better is not None:
+            self._move_to(better)
+            now = time.monotonic()
+        wait = self._placement.next_change(now)
+        if self._discovery.dynamic:
+            wait = min(wait, self._next_resolve - now)
+        return max(wait, MIN_TICK_S)
+
+    def _move_to(self, target: str) -> bool:
+        """Connect and HELLO to ``target`` under a new session while the engine keeps stepping
+        on the current connection; swap only when the HELLO is accepted (a new epoch: every
+        slot resyncs there). A refusal or failure holds ``target`` off for the quiet period."""
+        timeout = self.cfg.connect_timeout_ms / 1000.0
+        with self._lock:
+            session = self._fresh_session_locked()
+        old = self._endpoint
+        conn: RpcClient | None = None
+        deadline = time.monotonic() + timeout
+        try:
+            conn = self._factory(target)
+            conn.connect(timeout)
+            rep = self._hello_on(conn, session, max(deadline - time.monotonic(), 1e-3))
+        except (TransportError, wire.WireError, OSError) as e:
+            if conn is not None:
+                conn.close()
+            self._placement.hold(target, time.monotonic())
+            self.stats.inc("move_failures")
+            log.info("remote DSpark: staying on %s; %s did not take us: %s", old, target, e)
+            return False
+        if rep is None:  # refused fatally: the client is disabled
+            conn.close()
+            return False
+        # Swap with no request in flight on the old connection: closing it under a STEP would
+        # fail that STEP, and its failure would then drop the new connection.
+        if not self._io_lock.acquire(timeout=2 * self.cfg.timeout_ms / 1000.0 + 1.0):
+            conn.close()
+            return False
+        try:
+            with self._lock:
+                if self._shared.stop or self.disabled:
+                    conn.close()
+                    return False
+                self._drop_conn_locked()
+                self._shared.conn = conn
+                self.session = session
+                self._ready = True
+                self.epoch += 1
+                epoch = self.epoch
+                self._backoff_ms = self.cfg.backoff_ms
+        finally:
+            self._io_lock.release()
+        self._endpoint = self._session_endpoint = target
+        self._placement.connected(target)
+        self._shared.ready_event.set()
+        self.worker_info = rep
+        self.stats.inc_many({"hellos": 1, "moves": 1})
+        self.stats.set("worker", {"name": rep.worker_name, "endpoint": target,
+                                  "max_slots": rep.max_slots,
+                                  "max_rows_per_step": rep.max_rows_per_step,
+                                  "capabilities": rep.capabilities, "resumed": rep.resumed})
+        log.info("remote DSpark: moved from %s to %s, worker %r (session %#010x, epoch %d)",
+                 old, target, rep.worker_name, session, epoch)
+        return True
+
     def _background_tick(self) -> float | None:
         """One pass of the connect thread: seconds to sleep (inf: until woken), or None to
         end the thread."""
         if self.disabled or self._shared.stop:
             return None
         if self._ready:
-            return math.inf
+            return self._while_connected()
         delay = self._next_attempt - time.monotonic()
         if delay > 0:
             return delay
         if self.connect_now():
-            return math.inf
+            return self._while_connected()
         if self.disabled:
             return None
+        if self._retry_now:  # a draining worker: the next one at once
+            self._retry_now = False
+            return 0.0
         with self._lock:
             return self._schedule_retry_locked()
 
@@ -658,6 +822,12 @@ class RemoteDraftClient:
         elif status in (wire.ST_NO_SESSION, wire.ST_STALE_SEQ):
             # Not applied; a fresh HELLO on a new connection fixes the session at once.
             self.mark_failed(f"STEP refused: {name}", backoff=False)
+        elif status == wire.ST_DRAINING:
+            # Not applied; the worker is going away: the connect thread holds it off and
+            # connects to the next-ranked worker at once (no backoff, not a failure).
+            self._drained = self._endpoint
+            self.stats.inc("drained")
+            self.mark_failed(f"STEP refused: {name} ({self._endpoint})", backoff=False)
         elif status == wire.ST_INTERNAL:
             # The worker dropped the session; HELLO again, after a backoff delay so that a
             # worker failing every STEP is not hammered.

@@ -328,7 +328,8 @@ class WorkerApp:
 
     async def stop(self) -> int:
         """Graceful shutdown: drain (up to drain_s), stop accepting, answer every STEP already
-        accepted (up to shutdown_timeout_s), close. The exit code: 0, or 1 when the runner had died."""
+        accepted (up to shutdown_timeout_s), close. The exit code: 0, or 1 when the runner had
+        died."""
         if self._stopped:
             return 0
         self._stopped = True

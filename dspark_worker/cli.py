@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from . import __version__
 from .config import (
+    DEFAULT_DRAIN_S,
     DEFAULT_LISTEN,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_ROWS_PER_STEP,
@@ -26,7 +27,6 @@ from .config import (
     DEFAULT_PARTIAL_FRAME_TIMEOUT_S,
     DEFAULT_SESSION_IDLE_S,
     DEFAULT_SHED_QUEUE_STEPS,
-    DEFAULT_DRAIN_S,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_WINDOW,
     DEVICES,
