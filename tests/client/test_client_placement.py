@@ -151,7 +151,7 @@ def test_dns_endpoints_in_the_config() -> None:
     assert RemoteConfig.from_dict({"endpoint": "dns+tcp://w:1", "return_after_ms": 0})
     with pytest.raises(EndpointError, match="SRV records are not supported"):
         parse_dns_endpoint("dns+srv://_dspark._tcp.w")
-    with pytest.raises(RemoteConfigError, match="endpoints\\[0\\].*port 0 outside"):
+    with pytest.raises(RemoteConfigError, match=r"endpoints\[0\].*port 0 outside"):
         RemoteConfig(endpoints=("dns+tcp://w:0",))
     with pytest.raises(RemoteConfigError, match="return_after_ms = -1"):
         RemoteConfig(return_after_ms=-1)
