@@ -17,6 +17,13 @@ position) (``protocol.sampled.check_draws``). A refused reply fails the round: t
 is dropped and every slot of the STEP resyncs. A fatal frame status (section 5) disables remote
 drafting for the engine run.
 
+Workers. The endpoints name a set of workers (static, or ``dns+tcp://name:port`` resolved on
+the connect thread, ``discovery``); the client works with the best-ranked one for its client
+name by rendezvous hashing (``placement``), fails over to the next after repeated failed
+connects, leaves a worker that answers ST_DRAINING at once, and moves to a better-ranked
+worker that became eligible by connecting there before it swaps (docs/operations.md,
+"Placement"). Every move is a new session and a new epoch.
+
 Fork. Threads do not survive ``fork()`` and the lock may be held at that moment, so a client
 used from a process other than the one that made it refuses to run (``disabled_reason`` says
 so): make a new client, with its own ``client_name``, in the child.
@@ -135,7 +142,7 @@ def _connect_loop(ref: weakref.ReferenceType[RemoteDraftClient], shared: _Shared
 
 
 class RemoteDraftClient:
-    """One engine run's client of one draft worker (or of a list of failover endpoints).
+    """One engine run's client of one draft worker at a time, out of the set its endpoints name.
 
     ``hello`` is what this engine sends: geometry, identities, client name. The auth tag is
     computed here for each HELLO when ``cfg`` has a secret."""
@@ -618,9 +625,9 @@ class RemoteDraftClient:
                 self.epoch += 1
                 epoch = self.epoch
                 self._backoff_ms = self.cfg.backoff_ms
+                self._endpoint = self._session_endpoint = target
         finally:
             self._io_lock.release()
-        self._endpoint = self._session_endpoint = target
         self._placement.connected(target)
         self._shared.ready_event.set()
         self.worker_info = rep
