@@ -612,6 +612,7 @@ class RemoteDraftClient:
         # fail that STEP, and its failure would then drop the new connection.
         if not self._io_lock.acquire(timeout=2 * self.cfg.timeout_ms / 1000.0 + 1.0):
             conn.close()
+            self._placement.hold(target, time.monotonic())  # try again after a quiet period
             return False
         try:
             with self._lock:
