@@ -253,7 +253,9 @@ def test_fleet_add_remove_kill_drain(drafter: Any) -> None:
                 assert e.client.stats.get("drained", 0) >= 1
                 # Drained, not failed: no connect to a, no failed HELLO counted.
                 assert e.client.stats.get("connect_failures", 0) == failures, e.name
-                assert 1 <= lost[e.name] <= 2, (e.name, lost[e.name])
+                # The refused STEP, and a round or two while the connect thread HELLOs at
+                # the next worker (no backoff, no timeout).
+                assert 1 <= lost[e.name] <= 4, (e.name, lost[e.name])
             else:
                 assert lost[e.name] == 0, (e.name, lost[e.name])
             assert not e.client.disabled
