@@ -145,7 +145,10 @@ class RemoteDraftClient:
     """One engine run's client of one draft worker at a time, out of the set its endpoints name.
 
     ``hello`` is what this engine sends: geometry, identities, client name. The auth tag is
-    computed here for each HELLO when ``cfg`` has a secret."""
+    computed here for each HELLO when ``cfg`` has a secret. ``resolver``: ``(name, port) ->
+    addresses`` for ``dns+tcp`` endpoints instead of ``socket.getaddrinfo`` (an engine's own
+    service discovery, or a test's); a constructor argument because ``RemoteConfig`` is plain
+    data decoded from JSON."""
 
     def __init__(
         self,
