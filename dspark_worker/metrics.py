@@ -206,8 +206,13 @@ class _StepFamilies(Collector):
         m, p, t = self.m, PREFIX, self.m.totals
         frames = CounterMetricFamily(f"{p}_frames", "Frames answered, by op and frame status.",
                                      labels=["op", "status"])
+        # Ops outside OP_NAMES share the label "unknown": their counts add into one series.
+        by_label: dict[tuple[str, str], int] = {}
         for (op, status), n in sorted(dict(m.frame_counts).items()):
-            frames.add_metric([op_label(op), frame_status_label(status)], n)
+            labels = (op_label(op), frame_status_label(status))
+            by_label[labels] = by_label.get(labels, 0) + n
+        for (op_name, status_name), n in by_label.items():
+            frames.add_metric([op_name, status_name], n)
         yield frames
         req = CounterMetricFamily(f"{p}_request_status",
                                   "STEP entries answered, by request status.", labels=["status"])
