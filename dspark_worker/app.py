@@ -33,7 +33,6 @@ from .config import (
     config_warnings,
     exposure_warning,
     frame_limit,
-    max_reset_body_bytes,
     parse_host_port,
 )
 from .dispatch import Dispatcher, WorkerInfo, rss_bytes
@@ -216,7 +215,6 @@ class WorkerApp:
                                    max_frame_bytes=frame_limit(c, d.row_bytes),
                                    max_connections=c.max_connections,
                                    partial_timeout_s=c.partial_frame_timeout_s,
-                                   max_reset_body=max_reset_body_bytes(c.max_slots),
                                    handshake_timeout_s=c.handshake_timeout_s,
                                    connection_idle_s=c.connection_idle_s)
         try:

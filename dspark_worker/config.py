@@ -285,11 +285,6 @@ def frame_limit(config: WorkerConfig, row_bytes: int) -> int:
                max_step_body_bytes(config.max_slots, config.max_rows_per_step, row_bytes))
 
 
-def max_reset_body_bytes(max_slots: int) -> int:
-    """The largest RESET body (10): count, then one u32 per slot."""
-    return 4 + 4 * max_slots
-
-
 def config_warnings(config: WorkerConfig, row_bytes: int) -> list[str]:
     """Settings that are legal but cannot all be used: said once at start."""
     out: list[str] = []

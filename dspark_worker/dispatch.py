@@ -347,10 +347,10 @@ class Dispatcher:
         conn.session_id = s.session_id
         if result.outcome is not Outcome.RESUMED:
             self.runner.submit(LaneOp("allocate", s))
-        log.info("session %#010x (label %s) %s: client %r from %s, %d slots, %s, seq %d",
-                 s.session_id, self.session_label(s.session_id), result.outcome.value,
-                 s.client_name, conn.peer, s.max_slots,
-                 SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"), h.seq)
+        log.info("session %#010x %s: client %r from %s, %d slots, %s, seq %d, label %s",
+                 s.session_id, result.outcome.value, s.client_name, conn.peer, s.max_slots,
+                 SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"), h.seq,
+                 self.session_label(s.session_id))
         resumed = result.outcome is Outcome.RESUMED
         body = self._hello_reply_ok.get(resumed)
         if body is None:

@@ -40,7 +40,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from protocol.constants import OP_RESET, OP_STEP
+from protocol.constants import OP_STEP
 from protocol.errors import FrameHeaderError, FrameTooLargeError
 from protocol.framing import Frame, FrameDecoder
 from protocol.header import AppHeader
@@ -191,13 +191,9 @@ class Connection(asyncio.BufferedProtocol):
         return s is not None and s.conn_id == self.conn_id
 
     def _body_limit(self, h: AppHeader) -> tuple[int, str]:
-        if h.op == OP_STEP and self.has_session:
+        if self.has_session:  # bodies other than STEP still grow only with what arrives
             return self.server.max_frame_bytes, "(the frame limit)"
-        if h.op == OP_RESET and self.has_session:
-            return self.server.max_reset_body, "(a RESET of max_slots slots)"
-        if not self.has_session:
-            return SESSIONLESS_MAX_BODY_BYTES, "for a connection without a session"
-        return SESSIONLESS_MAX_BODY_BYTES, f"for a {h.op_name} body"
+        return SESSIONLESS_MAX_BODY_BYTES, "for a connection without a session"
 
     def _trusted(self, h: AppHeader) -> bool:
         """Whether a body's storage may be taken whole from its header alone."""
@@ -320,7 +316,6 @@ class WorkerServer:
 
     def __init__(self, dispatcher: Dispatcher, metrics: Metrics, buffers: BufferPool, *,
                  max_frame_bytes: int, max_connections: int, partial_timeout_s: float,
-                 max_reset_body: int = SESSIONLESS_MAX_BODY_BYTES,
                  handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
                  connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S) -> None:
         self.dispatcher = dispatcher
@@ -329,8 +324,6 @@ class WorkerServer:
         self.max_frame_bytes = max_frame_bytes
         self.max_connections = max_connections
         self.partial_timeout_s = partial_timeout_s
-        self.max_reset_body = min(max(max_reset_body, SESSIONLESS_MAX_BODY_BYTES),
-                                  max_frame_bytes)
         self.handshake_timeout_s = handshake_timeout_s
         self.connection_idle_s = connection_idle_s
         self.connections: dict[int, Connection] = {}
