@@ -20,7 +20,8 @@ dspark_worker_hello_refusals_total          counter    status: HELLOs refused
 dspark_worker_sessions_dropped_total        counter    reason: replaced, recreated, expired, ...
 dspark_worker_connections_total             counter    connections accepted
 dspark_worker_connections_refused_total     counter    connections closed at once (limit)
-dspark_worker_connections_closed_total      counter    reason: peer, bad_magic, too_large, ...
+dspark_worker_connections_closed_total      counter    reason: peer, bad_magic, too_large,
+                                                       handshake_timeout, idle_timeout, ...
 dspark_worker_sessions                      gauge      sessions held
 dspark_worker_active_slots                  gauge      slots with a live generation
 dspark_worker_connections_open              gauge      connections open
