@@ -19,7 +19,8 @@ What each op does:
 * STATS (10): the JSON below, with or without a session.
 * RESET (10): the listed slots' windows (count 0: all) are dropped, in order with the STEPs.
 
-STATS JSON (UTF-8 object; fields are only ever added)::
+STATS JSON (UTF-8 object; fields are only ever added, except that a session's id and client name
+go only to its own connection)::
 
     {
       "worker_name": str, "version": str, "contract_version": 1,
@@ -30,9 +31,10 @@ STATS JSON (UTF-8 object; fields are only ever added)::
       "drafter_identity": hex, "markov_identity": hex,
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
                  "max_connections", "max_frame_bytes", "session_idle_s",
-                 "partial_frame_timeout_s", "shed_queue_steps"},
+                 "partial_frame_timeout_s", "handshake_timeout_s", "connection_idle_s",
+                 "shed_queue_steps"},
       "connections": int, "queue_steps": int,
-      "sessions": [{"label": str, "session": int, "client_name": str,
+      "sessions": [{"label": str, "session": int (own only), "client_name": str (own only),
                     "sample_mode": "greedy" | "top32",
                     "max_slots": int, "slots_in_use": int, "connected": bool,
                     "age_s": float, "idle_s": float, "steps": int, "rows": int,
