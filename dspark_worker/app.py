@@ -235,12 +235,15 @@ class WorkerApp:
             log.info("listening on tcp://%s:%d", *self.tcp_address)
         if self.unix_path:
             log.info("listening on unix://%s", self.unix_path)
+        if c.port_file:  # before "ready": a failure here is still a start-up failure
+            try:
+                self._write_port_file(c.port_file)
+            except OSError as exc:
+                raise StartupError(f"port file {c.port_file}: {_why(exc)}") from None
         log.info("ready: worker %r, W %d, N %d, max_slots %d, max_rows_per_step %d,"
                  " max_sessions %d, frame limit %d bytes%s", info.worker_name, c.window,
                  d.num_spec, c.max_slots, c.max_rows_per_step, c.max_sessions,
                  frame_limit(c, d.row_bytes), ", HELLO authentication on" if secret else "")
-        if c.port_file:
-            self._write_port_file(c.port_file)
 
     async def _bind_all(self) -> None:
         """Every listener bound and every path checked before anything slow is loaded: a busy
