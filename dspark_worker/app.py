@@ -361,7 +361,8 @@ class WorkerApp:
             await self.start()
         except BaseException:
             self._close_bound()
-            self._device.shutdown(wait=False)
+            with contextlib.suppress(Exception):
+                await self.stop()  # whatever had started: runner, listeners, metrics
             raise
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
