@@ -41,6 +41,10 @@ HALF_RANGE = 1 << 31  # serial-number arithmetic on u32 (RFC 1982): newer iff 0 
 # and, through its client name, drop the one that replaced it. Oldest forgotten first; 16384
 # ids (about 2 MiB) outlast session_idle_s at any rate of new sessions an engine fleet makes.
 RETIRED_SESSIONS_MAX = 16384
+# Besides, the last few ids each client name let go, kept whatever other names do: the ids a
+# replay would target (an engine's previous sessions) survive a churn of other sessions.
+RETIRED_PER_NAME = 4
+RETIRED_NAMES_MAX = 4096
 
 
 class Outcome(str, enum.Enum):
@@ -195,6 +199,8 @@ class SessionTable:
         self.retired_max = retired_max
         self._by_id: dict[int, Session] = {}
         self._retired: OrderedDict[int, int] = OrderedDict()  # session id -> its last seq
+        # client name -> {session id: last seq} of its latest RETIRED_PER_NAME retired ids
+        self._retired_by_name: OrderedDict[str, dict[int, int]] = OrderedDict()
         self.lanes_reserved = 0
         self._active_slots = 0
 
@@ -234,7 +240,7 @@ class SessionTable:
             to_drop.append((existing, DropReason.RECREATED))
             outcome = Outcome.RECREATED
         else:
-            retired_seq = self._retired.get(session_id)
+            retired_seq = self.retired_seq(session_id, hello.client_name)
             if retired_seq is not None and seq <= retired_seq:
                 raise StaleSeqError(
                     f"session {session_id:#010x} was dropped; HELLO seq {seq} is not above its"
@@ -259,6 +265,7 @@ class SessionTable:
         session = Session(session_id, hello, conn_id, seq, now)
         self._by_id[session_id] = session
         self._retired.pop(session_id, None)
+        self._retired_by_name.get(hello.client_name, {}).pop(session_id, None)
         self.lanes_reserved += session.max_slots
         return HelloResult(session, outcome, to_drop)
 
@@ -320,9 +327,13 @@ class SessionTable:
         self._remove(session)
         return True
 
-    def retired_seq(self, session_id: int) -> int | None:
-        """The last seq of a session the table let go, while it is remembered."""
-        return self._retired.get(session_id)
+    def retired_seq(self, session_id: int, client_name: str = "") -> int | None:
+        """The last seq of a session the table let go, while it is remembered (by id, or among
+        the last ids of ``client_name``)."""
+        seq = self._retired.get(session_id)
+        if seq is None and client_name:
+            seq = self._retired_by_name.get(client_name, {}).get(session_id)
+        return seq
 
     def _remove(self, s: Session) -> None:
         del self._by_id[s.session_id]
@@ -330,6 +341,16 @@ class SessionTable:
         self._active_slots -= s.n_live
         s.alive = False
         retired = self._retired
-        retired[s.session_id] = max(s.last_seq, retired.pop(s.session_id, 0))
+        last = max(s.last_seq, retired.pop(s.session_id, 0))
+        retired[s.session_id] = last
         while len(retired) > self.retired_max:
             retired.popitem(last=False)
+        if s.client_name:
+            by_name = self._retired_by_name.pop(s.client_name, {})
+            by_name.pop(s.session_id, None)
+            by_name[s.session_id] = last
+            while len(by_name) > RETIRED_PER_NAME:
+                del by_name[next(iter(by_name))]
+            self._retired_by_name[s.client_name] = by_name
+            while len(self._retired_by_name) > RETIRED_NAMES_MAX:
+                self._retired_by_name.popitem(last=False)
