@@ -32,8 +32,8 @@ Buffer = bytes | bytearray | memoryview
 
 # Bytes the decoder reads at once while it waits for headers: many small frames per receive.
 SCRATCH_BYTES: Final = 64 << 10
-# Scratch a new decoder starts with; it grows to SCRATCH_BYTES once a receive fills it, so an idle
-# or header-only connection holds a few KiB, not 64.
+# Scratch a new decoder starts with; it grows to SCRATCH_BYTES once a receive fills all of it (more
+# was waiting), so an idle or header-only connection holds a few KiB, not 64.
 INITIAL_SCRATCH_BYTES: Final = 4 << 10
 # Bodies up to this size are allocated whole from their header (cheaper than growing them); a
 # larger one, unless ``preallocate`` trusts its sender, grows with what arrives.
@@ -90,6 +90,7 @@ class FrameDecoder:
         self._limit = limit
         self._preallocate = preallocate
         self._scratch = bytearray(INITIAL_SCRATCH_BYTES)
+        self._scratch_offered = 0  # bytes of scratch the last get_buffer handed out
         self._have = 0  # bytes held in scratch, not yet parsed
         self._header: AppHeader | None = None  # header of the frame whose body is arriving
         self._body: bytearray | memoryview | None = None
@@ -124,11 +125,9 @@ class FrameDecoder:
                 self._grow_body()
             end = min(self._header.body_len, len(self._body))
             return memoryview(self._body)[self._body_have:end]
-        if self._have == len(self._scratch) and len(self._scratch) < SCRATCH_BYTES:
-            bigger = bytearray(SCRATCH_BYTES)  # many frames per receive: read more at once
-            bigger[:self._have] = self._scratch
-            self._scratch = bigger
-        return memoryview(self._scratch)[self._have:]
+        view = memoryview(self._scratch)[self._have:]
+        self._scratch_offered = len(view)
+        return view
 
     def buffer_updated(self, nbytes: int) -> list[Frame]:
         """``nbytes`` were written into the last ``get_buffer``; return the frames completed."""
@@ -142,6 +141,11 @@ class FrameDecoder:
             return frames
         self._have += nbytes
         self._parse_scratch(frames)
+        if nbytes >= self._scratch_offered and len(self._scratch) < SCRATCH_BYTES:
+            # The receive filled all it was offered: more is arriving than a few KiB at a time.
+            bigger = bytearray(SCRATCH_BYTES)
+            bigger[:self._have] = self._scratch[:self._have]
+            self._scratch = bigger
         return frames
 
     # -- plain shape ------------------------------------------------------------------------------

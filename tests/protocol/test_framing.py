@@ -332,3 +332,15 @@ def test_a_limit_per_header_refuses_before_allocating() -> None:
     assert info.value.limit == 4096 and info.value.value == 5000
     assert dec.error_header is not None and dec.error_header.seq == 2
     assert calls == [100]
+
+
+def test_scratch_grows_only_when_receives_fill_it() -> None:
+    from protocol.framing import INITIAL_SCRATCH_BYTES
+
+    dec = FrameDecoder()
+    assert len(dec.get_buffer(-1)) == INITIAL_SCRATCH_BYTES  # an idle connection: 4 KiB
+    dec.buffer_updated(0)
+    assert dec.feed(frame(OP_PING, 1, 0)) and len(dec.get_buffer(-1)) < SCRATCH_BYTES
+    stream = b"".join(_frames(2000, body_of=40))  # many small frames arriving together
+    frames = _receive(dec, stream, 1 << 20)
+    assert len(frames) == 2000 and len(dec.get_buffer(-1)) == SCRATCH_BYTES
