@@ -50,8 +50,9 @@ EXPIRY_SCAN_MAX_S = 5.0
 # How often the drain looks whether every connection has gone.
 DRAIN_POLL_S = 0.02
 # The drain also ends when no frame arrived for this long: an engine that steps hears DRAINING
-# within one round, so what is left are idle connections, which the close tells soon enough.
-DRAIN_QUIET_S = 1.0
+# within one round (milliseconds while it serves), so what is left are idle connections, which
+# the close tells soon enough; a slow engine round must not end it early.
+DRAIN_QUIET_S = 2.0
 
 
 class StartupError(RuntimeError):

@@ -78,7 +78,7 @@ def test_drain_ends_when_connections_go_quiet(drafter: Any) -> None:
         t0 = time.monotonic()
         code = w.stop()  # the connection stays open and silent
         assert code == 0
-        assert 0.9 < time.monotonic() - t0 < 15  # the quiet second, not drain_s
+        assert 1.9 < time.monotonic() - t0 < 15  # the quiet period, not drain_s
         assert c.is_closed()
     finally:
         c.close()
