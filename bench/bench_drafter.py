@@ -37,7 +37,7 @@ from dspark_worker.drafter import (
     encode_bf16_rows,
 )
 from dspark_worker.drafter.embedded import init_random_
-from dspark_worker.drafter.model import build_model
+from dspark_worker.drafter.families import build_model
 
 QWEN3_4B = DrafterConfig(
     hidden_size=2560,

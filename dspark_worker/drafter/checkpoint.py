@@ -30,8 +30,9 @@ from protocol.identity import (
     tensor_index,
 )
 
-from .config import DrafterConfig, load_config
-from .model import DrafterModel, expected_shapes
+from .config import DrafterConfig
+from .families import expected_shapes, load_config
+from .model import DraftModel
 
 # safetensors dtype spellings the drafter loads (it casts to its own dtype after loading).
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -141,7 +142,7 @@ def read_tensor(name: str, ref: TensorRef) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype).view(ref.shape)
 
 
-def save_checkpoint(model: DrafterModel, directory: str | Path, *,
+def save_checkpoint(model: DraftModel, directory: str | Path, *,
                     max_shard_bytes: int | None = None,
                     exclude: Iterable[str] = ()) -> list[Path]:
     """Write ``config.json`` and the weights in the DeepSpec layout: one ``model.safetensors``,
