@@ -397,8 +397,9 @@ def instantiate(model_type: type[M], config: DrafterConfig, tensors: dict[str, T
     with torch.device("meta"):
         model = model_type(config)
     if tensors is None:
-        model.to_empty(device=device)
+        # dtype first, on the meta device: no full-size fp32 copy is ever allocated
         model.to(dtype=dtype)
+        model.to_empty(device=device)
     else:
         state = {name: t.to(device=device, dtype=dtype) for name, t in tensors.items()}
         model.load_state_dict(state, strict=True, assign=True)
