@@ -526,3 +526,39 @@ def test_random_gemma4_weights_draft_like_the_oracle() -> None:
     assert got.draft_ids[0].tolist() == ids
     np.testing.assert_allclose(got.confidence[0], conf, atol=TOL, rtol=0)
     np.testing.assert_allclose(got.margin[0], margin, atol=TOL, rtol=0)
+
+
+# -- CUDA (skipped without a GPU) -----------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp32_vectors_and_bf16_tolerance(cases: list[dict[str, Any]]) -> None:
+    """fp32 on CUDA drafts DeepSpec's vectors; bf16 (the CUDA default) keeps the first draft
+    and its confidence within bf16's tolerance; sampled replies pass 9.2 and 9.3."""
+    for dtype in (torch.float32, torch.bfloat16):
+        gpu = load_drafter(DATA, device="cuda", dtype=dtype)
+        pool = gpu.new_pool(2, 16)
+        lanes = pool.allocate(2)
+        rows = np.concatenate([encode_bf16_rows(np.asarray(c["taps"], np.float32))
+                               for c in cases])
+        anchors = [c["anchor_pos"] for c in cases]
+        pool.apply(lanes, anchors, [9, 9], [True, True], rows)
+        got = gpu.draft(pool, lanes, anchors, [c["anchor_token"] for c in cases])
+        for i, c in enumerate(cases):
+            if dtype == torch.float32:
+                assert got.draft_ids[i].tolist() == c["ids"]
+                np.testing.assert_allclose(got.confidence[i], c["confidence"], atol=TOL)
+                np.testing.assert_allclose(got.margin[i], c["margin"], atol=TOL)
+            else:
+                assert got.draft_ids[i, 0] == c["ids"][0]
+                assert abs(float(got.confidence[i, 0]) - c["confidence"][0]) < 0.05
+        params = SamplingParams(top_k=[32, 4], temperature=[1.0, 0.8], top_p=[0.0, 0.9],
+                                seed=[1, 2], generation=[0, 5])
+        out = gpu.draft(pool, lanes, anchors, [3, 4], sampling=params)
+        assert out.support_ids is not None and out.proposal_q is not None
+        top_k = np.array(params.top_k)
+        sampled.validate(np.ones(2, np.uint8), out.support_ids, out.proposal_q, out.draft_ids,
+                         np.ones(2, dtype=bool), gpu.vocab_size, top_k)
+        sampled.check_draws(np.ones(2, bool), out.support_ids, out.proposal_q, out.draft_ids,
+                            np.array(params.seed, dtype=np.uint64), params.generation, anchors)
