@@ -26,7 +26,6 @@ same [L, kv_heads, head_dim] per position as every family.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -473,8 +472,3 @@ class Gemma4DrafterModel(DraftModel):
         if cap is not None:
             out = torch.tanh(out / cap) * cap
         return out
-
-
-def replace(config: Gemma4Config, **changes: Any) -> Gemma4Config:
-    """``dataclasses.replace`` plus validation (tests and benchmarks)."""
-    return dataclasses.replace(config, **changes).validated("gemma4 config")

@@ -117,7 +117,8 @@ def plain_draft(t: dict[str, torch.Tensor], cfg: Gemma4Config, taps: np.ndarray,
         v_h = v.repeat_interleave(group, dim=1)
         att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k_h), dim=-1)  # scale 1.0
         o = torch.einsum("hqk,khd->qhd", att, v_h).reshape(n, nh * hd)
-        h = h + _rms(o @ t[p + "self_attn.o_proj.weight"].T, t[p + "post_attention_layernorm.weight"])
+        h = h + _rms(o @ t[p + "self_attn.o_proj.weight"].T,
+                     t[p + "post_attention_layernorm.weight"])
         y = _rms(h, t[p + "pre_feedforward_layernorm.weight"])
         y = (F.gelu(y @ t[p + "mlp.gate_proj.weight"].T, approximate="tanh")
              * (y @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
@@ -483,7 +484,7 @@ def test_embedding_from_a_multimodal_target(tmp_path: Path, weights: dict[str, t
                "model.vision_tower.patch_embedder.weight": torch.zeros(4, 4),
                "model.language_model.norm.weight": torch.ones(64)},
               str(target / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="missing tensor embed_tokens.weight.*target"):
+    with pytest.raises(CheckpointError, match=r"missing tensor embed_tokens\.weight.*target"):
         load_drafter(ckpt)
     drafter = load_drafter(ckpt, target_checkpoint=target)
     tied = dict(tensors, **{"embed_tokens.weight": embed, "lm_head.weight": embed})
