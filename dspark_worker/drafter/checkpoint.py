@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from protocol.identity import (
     INDEX_FILE,
     SINGLE_FILE,
+    TARGET_FALLBACKS,
     SafetensorsError,
     TensorRef,
     checkpoint_files,
@@ -95,7 +96,8 @@ def resolve_checkpoint(checkpoint: str | Path,
         if ref is None:
             where = (f"; pass the target checkpoint to take {name} from it"
                      if name in TARGET_TENSORS and target_checkpoint is None else
-                     f" nor in the target checkpoint {target_checkpoint}"
+                     f" nor in the target checkpoint {target_checkpoint} (which holds none of"
+                     f" {list(TARGET_FALLBACKS[name])})"
                      if name in TARGET_TENSORS else "")
             raise CheckpointError(f"{directory}: missing tensor {name} (expected shape "
                                   f"{list(shape)}){where}", tensor=name, expected=shape)

@@ -486,6 +486,12 @@ def test_embedding_from_a_multimodal_target(tmp_path: Path, weights: dict[str, t
               str(target / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"missing tensor embed_tokens\.weight.*target"):
         load_drafter(ckpt)
+    wrong = tmp_path / "not-a-target"
+    wrong.mkdir()
+    save_file({"vision.embed.weight": embed}, str(wrong / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"nor in the target checkpoint .*not-a-target"
+                       r" \(which holds none of \['model\.embed_tokens\.weight'"):
+        load_drafter(ckpt, target_checkpoint=wrong)
     drafter = load_drafter(ckpt, target_checkpoint=target)
     tied = dict(tensors, **{"embed_tokens.weight": embed, "lm_head.weight": embed})
     same = from_tensors(drafter.config, tied, dtype=torch.float32)
