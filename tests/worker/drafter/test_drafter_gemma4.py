@@ -10,6 +10,7 @@ from DeepSpec's own greedy path in fp32."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import shutil
@@ -30,7 +31,9 @@ from dspark_worker.drafter import (
     DrafterConfigError,
     Gemma4Config,
     Gemma4DrafterModel,
+    RingPool,
     SamplingParams,
+    build_model,
     detect_family,
     encode_bf16_rows,
     expected_shapes,
@@ -371,6 +374,20 @@ def test_the_12b_config() -> None:
     assert shapes["layers.0.self_attn.k_proj.weight"] == (512, 3840)
     assert shapes["fc.weight"] == (3840, 19200)
     assert "layers.0.self_attn.v_proj.weight" not in shapes
+
+
+def test_the_benchmark_shape_is_the_released_layout() -> None:
+    """bench_drafter's gemma4-12b shape is what the 12B config.json parses to, and its rings
+    hold 10,240 bytes per position in bf16 (built on the meta device: no memory)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_drafter", Path(__file__).resolve().parents[3] / "bench" / "bench_drafter.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shape = bench.SHAPES["gemma4-12b"][0]
+    assert shape == parse_config(config_12b())
+    model = build_model(shape, None, device="meta", dtype=torch.bfloat16)
+    assert RingPool(model, 1, 64).bytes_per_lane == 64 * 10240
 
 
 def test_config_round_trip_and_family_detection() -> None:
