@@ -126,6 +126,16 @@ class Gemma4Config(DrafterConfig):
         return out
 
     def validated(self, source: str = "config") -> Gemma4Config:
+        # The two head fields under the names config.json gives them for this family.
+        heads, kv, hd = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        if isinstance(kv, int) and isinstance(heads, int) and kv > 0 and heads % kv:
+            raise DrafterConfigError(
+                f"{source}: num_global_key_value_heads {kv} does not divide num_attention_heads"
+                f" {heads}", field="num_global_key_value_heads", value=kv)
+        if isinstance(hd, int) and hd > 0 and hd % 2:
+            raise DrafterConfigError(
+                f"{source}: global_head_dim {hd} must be even (rotary embedding pairs halves)",
+                field="global_head_dim", value=hd)
         super().validated(source)
         p = self.partial_rotary_factor
         if not (math.isfinite(p) and 0.0 < p <= 1.0):
@@ -151,10 +161,12 @@ def parse_gemma4_config(raw: Mapping[str, Any], source: str = "config.json") -> 
                 f"{source}: {name} {value!r} is not supported ({what}; the drafter runs only"
                 f" {need})", field=name, value=value)
     if not r.bool_("attention_k_eq_v", default=False):
+        k_eq_v = r.get("attention_k_eq_v", default=None)
+        said = "is missing" if k_eq_v is None else f"{k_eq_v!r} is not supported"
         raise DrafterConfigError(
-            f"{source}: attention_k_eq_v {r.get('attention_k_eq_v', default=False)!r} is not"
-            " supported (a separate v_proj; Gemma4 DSpark drafters share K and V: true)",
-            field="attention_k_eq_v", value=r.get("attention_k_eq_v", default=None))
+            f"{source}: attention_k_eq_v {said} (the drafter runs only true: V from k_proj, no"
+            " v_proj, as in every Gemma4 DSpark drafter)", field="attention_k_eq_v",
+            value=k_eq_v)
     for spelled in ("hidden_activation", "hidden_act"):
         act = r.get(spelled, default=None)
         if act is not None and act != HIDDEN_ACTIVATION:
