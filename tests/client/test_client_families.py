@@ -80,7 +80,7 @@ def serve_and_check(checkpoint: Path, drafter: Any, cases: list[dict[str, Any]])
                 for slot, prompt in zip(range(SLOTS), (3, W, 40, 1), strict=True):
                     eng.admit(slot, prompt)
                 live = list(range(SLOTS))
-                for step in range(2):
+                for step in range(1 if sampled else 2):
                     if step:
                         for s in live:
                             eng.accept(s, int(eng.rng.integers(0, eng.N)))
@@ -104,5 +104,5 @@ def test_both_families_by_fresh_workers(torch_one_thread: Any) -> None:
 
     cases = json.loads((GEMMA4 / "cases.json").read_text())
     # the Gemma4 worker first, then the Qwen3 one: nothing carries over between processes
-    assert serve_and_check(GEMMA4, load_drafter(GEMMA4), cases) > 20
+    assert serve_and_check(GEMMA4, load_drafter(GEMMA4), cases) > 30
     assert serve_and_check(QWEN3, load_drafter(QWEN3), []) > 20
