@@ -67,11 +67,13 @@ import numpy as np
 from protocol.auth import verify_hello
 from protocol.constants import (
     APP_HEADER_SIZE,
+    CAP_SHM_ROWS,
     FRAME_STATUS_NAMES,
     IDENTITY_BYTES,
     OP_HELLO,
     OP_PING,
     OP_RESET,
+    OP_SHM_ATTACH,
     OP_STATS,
     OP_STEP,
     REQ_STATUS_NAMES,
@@ -79,6 +81,7 @@ from protocol.constants import (
     SAMPLE_GREEDY,
     SAMPLE_MODE_NAMES,
     SAMPLE_TOP32,
+    SF_ROWS_SHM,
     ST_INTERNAL,
     ST_NO_SESSION,
     ST_OK,
@@ -100,12 +103,14 @@ from protocol.errors import (
 )
 from protocol.framing import Frame, frame
 from protocol.header import AppHeader
-from protocol.messages import Hello, HelloReply, decode_reset, decode_step
+from protocol.messages import Hello, HelloReply, StepView, decode_reset, decode_step
+from protocol.shm import decode_step_shm
 from protocol.validate import check_step_shape
 
 from .metrics import Metrics
 from .runner import LaneOp, Runner, StepItem, reply_bytes
 from .sessions import DropReason, Outcome, Session, SessionTable, plan_step
+from .shm import ShmOps
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +153,10 @@ class WorkerInfo:
     version: str = "0"
     limits: dict[str, Any] = field(default_factory=dict)
 
-    def hello_reply(self, resumed: bool = False) -> HelloReply:
+    def hello_reply(self, resumed: bool = False, extra_capabilities: int = 0) -> HelloReply:
         return HelloReply(
-            capabilities=self.capabilities, window=self.window, num_spec=self.num_spec,
+            capabilities=self.capabilities | extra_capabilities, window=self.window,
+            num_spec=self.num_spec,
             max_slots=self.max_slots, max_rows_per_step=self.max_rows_per_step,
             row_bytes=self.row_bytes, vocab_size=self.vocab_size,
             drafter_identity=self.drafter_identity, markov_identity=self.markov_identity,
@@ -201,7 +207,8 @@ class Dispatcher:
     def __init__(self, info: WorkerInfo, table: SessionTable, runner: Runner, metrics: Metrics,
                  *, secret: bytes | None = None, shed_queue_steps: int = 32,
                  stats_extra: Callable[[], dict[str, Any]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 shm: ShmOps | None = None) -> None:
         self.info = info
         self.table = table
         self.runner = runner
@@ -220,10 +227,13 @@ class Dispatcher:
             OP_PING: self._ping,
             OP_STATS: self._stats,
             OP_RESET: self._reset,
+            OP_SHM_ATTACH: self._shm_attach,
         }
+        # Section 13: shared-memory rows regions (max_region_bytes 0: none offered).
+        self.shm = shm if shm is not None else ShmOps(0)
         self._refusal_log = RateLimitedLog(log)
         self._dropped_counts: dict[str, int] = {}
-        self._hello_reply_ok: dict[bool, bytes] = {}
+        self._hello_reply_ok: dict[tuple[bool, int], bytes] = {}
         # Gauges read when scraped: nothing to keep up to date per frame.
         metrics.sessions.set_function(lambda: len(table))
         metrics.active_slots.set_function(lambda: table.active_slots)
@@ -269,6 +279,8 @@ class Dispatcher:
         if h.op == OP_HELLO:
             body = self.info.hello_reply().pack()
             self.metrics.hello_refusals.labels(status=FRAME_STATUS_NAMES[status]).inc()
+        elif h.op == OP_SHM_ATTACH:
+            body = self.shm.reply(0)
         self.metrics.frame(h.op, status)
         key = (conn.peer, h.op, status)
         self._refusal_log.warning(key, "%s seq %d session %#010x from %s refused %s: %s%s",
@@ -311,9 +323,13 @@ class Dispatcher:
                  s.session_id, result.outcome.value, s.client_name, conn.peer, s.max_slots,
                  SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"), h.seq)
         resumed = result.outcome is Outcome.RESUMED
-        body = self._hello_reply_ok.get(resumed)
+        # CAP_SHM_ROWS only where a region can work: a Unix connection to a worker with a limit.
+        caps = (CAP_SHM_ROWS if self.shm.max_region_bytes and getattr(conn, "kind", "") == "unix"
+                else 0)
+        body = self._hello_reply_ok.get((resumed, caps))
         if body is None:
-            body = self._hello_reply_ok[resumed] = self.info.hello_reply(resumed).pack()
+            body = self._hello_reply_ok[(resumed, caps)] = self.info.hello_reply(
+                resumed, caps).pack()
         return self._ok(h, body)
 
     def _check_identities(self, hello: Hello) -> None:
@@ -365,7 +381,7 @@ class Dispatcher:
     def _step(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply | None:
         h = fr.header
         s = self.table.bound(h.session, conn.conn_id, h.seq)
-        view = decode_step(fr.body)
+        view = self._decode_step(conn, fr.body)
         check_step_shape(view, row_bytes=self.info.row_bytes, max_slots=s.max_slots,
                          max_rows_per_step=s.hello.max_rows_per_step,
                          num_spec=self.info.num_spec, sampled=s.sampled)
@@ -381,6 +397,14 @@ class Dispatcher:
         self.metrics.observe_stage("decode", item.t_queued - t_arrival)
         self.runner.submit(item)
         return None
+
+    @staticmethod
+    def _decode_step(conn: Conn, body: memoryview) -> StepView:
+        """7.3, or 13.3 when the step flags say the rows are in the connection's region."""
+        if len(body) >= 24 and body[20] & SF_ROWS_SHM:  # the low byte of step_flags
+            shm = getattr(conn, "shm", None)
+            return decode_step_shm(body, shm.rows if shm is not None else None)
+        return decode_step(body)
 
     def _check_tokens(self, entries: Any) -> None:
         """A drafting entry's anchor_token is the first input of the block: it must be a token
@@ -483,6 +507,14 @@ class Dispatcher:
         log.debug("session %#010x RESET %s", s.session_id,
                   "every slot" if not arr.size else f"{arr.size} slots")
         return self._ok(h)
+
+    # -- SHM_ATTACH (13.2) -------------------------------------------------------------------------
+    def _shm_attach(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
+        h = fr.header
+        s = self.table.bound(h.session, conn.conn_id, h.seq)
+        body = self.shm.attach(conn, fr)
+        self.table.touch(s, h.seq, self.clock())
+        return self._ok(h, body)
 
     # -- sessions ---------------------------------------------------------------------------------
     def expire_idle(self) -> int:
