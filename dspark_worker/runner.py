@@ -209,27 +209,33 @@ class Runner:
             if not self._queue:
                 self._wake.clear()
             if batch:
-                t = time.perf_counter()
-                steps = [op for op in batch if isinstance(op, StepItem)]
-                for item in steps:
-                    item.t_start = t
-                try:
-                    await loop.run_in_executor(self._executor, self._execute, batch)
-                except Exception as exc:  # _execute catches per item; this is a bug
-                    log.exception("runner batch failed")
-                    for item in steps:
-                        if item.error is None and not item.skipped:
-                            item.error = exc
-                self.batches += 1
-                if self._on_batch is not None:
-                    self._on_batch(len(steps), self.last_batch_entries)
-                for item in steps:
-                    try:
-                        self._complete(item)
-                    except Exception:
-                        log.exception("completing STEP seq %d failed", item.header.seq)
+                # In its own frame: once answered, nothing here holds the items (their rows may
+                # be views of a connection's shared-memory region, mapped until the last goes).
+                await self._run_batch(loop, batch)
+                batch = []
             if not self._queue:
                 self._idle.set()
+
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[Op]) -> None:
+        t = time.perf_counter()
+        steps = [op for op in batch if isinstance(op, StepItem)]
+        for item in steps:
+            item.t_start = t
+        try:
+            await loop.run_in_executor(self._executor, self._execute, batch)
+        except Exception as exc:  # _execute catches per item; this is a bug
+            log.exception("runner batch failed")
+            for item in steps:
+                if item.error is None and not item.skipped:
+                    item.error = exc
+        self.batches += 1
+        if self._on_batch is not None:
+            self._on_batch(len(steps), self.last_batch_entries)
+        for item in steps:
+            try:
+                self._complete(item)
+            except Exception:
+                log.exception("completing STEP seq %d failed", item.header.seq)
 
     def _take_batch(self) -> list[Op]:
         batch: list[Op] = []

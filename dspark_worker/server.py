@@ -82,6 +82,7 @@ class Connection(asyncio.BufferedProtocol):
         # Section 13: the shared-memory region, and the receive of a MAP frame with its memfd.
         self.shm = ConnShm()
         self._fd_rx: FdReceiver | None = None
+        self._fds_next: list[int] | None = None  # descriptors for the next frame completed
         self._fd_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.BufferedProtocol -----------------------------------------------------------------
@@ -125,6 +126,8 @@ class Connection(asyncio.BufferedProtocol):
         self._received(frames)
 
     def _received(self, frames: list[Frame]) -> None:
+        if frames and self._fds_next is not None:
+            self.shm.fds[id(frames[0])], self._fds_next = self._fds_next, None
         if frames:
             now = time.perf_counter()
             self.pending.extend((f, now) for f in frames)
@@ -156,6 +159,9 @@ class Connection(asyncio.BufferedProtocol):
             self._partial_timer.cancel()
             self._partial_timer = None
         self._stop_fd_receive()
+        if self._fds_next is not None:
+            close_fds([fd for fd in self._fds_next if fd >= 0])
+            self._fds_next = None
         while self.pending:
             f, _ = self.pending.popleft()
             self.server.buffers.release(f.storage)
@@ -302,10 +308,9 @@ class Connection(asyncio.BufferedProtocol):
                 self.server.bad_stream(self, "bad_magic", str(exc))
             self._close("too_large" if isinstance(exc, FrameTooLargeError) else "bad_magic")
             return
-        if frames and fds:
-            self.shm.fds[id(frames[0])] = fds  # they came with the frame's first bytes
-        else:
-            close_fds([fd for fd in fds if fd >= 0])
+        # They came with the frame's first bytes: they belong to the next frame completed (its
+        # body, if any, arrives through the transport).
+        self._fds_next = fds or None
         if self.transport is not None and len(self.pending) + len(frames) \
                 < MAX_PENDING_FRAMES_PER_CONNECTION:
             self.read_paused = False

@@ -37,7 +37,6 @@ import numpy as np
 from protocol.constants import APP_HEADER_SIZE
 from protocol.errors import BadFrameError, LimitsError
 from protocol.shm import (
-    SHM_ATTACH_STRUCT,
     SHM_OFFER,
     ShmAttach,
     ShmAttachReply,
@@ -49,8 +48,9 @@ log = logging.getLogger(__name__)
 # Seals a region must carry: SHRINK keeps every mapped page backed (no SIGBUS); GROW keeps the
 # size the worker checked. WRITE is not asked for: the client writes rows there every round.
 REQUIRED_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-# The MAP frame: header and body, read with recvmsg so its descriptor arrives with it.
-MAP_FRAME_BYTES: Final = APP_HEADER_SIZE + SHM_ATTACH_STRUCT.size
+# After an accepted OFFER the next frame's header is read with recvmsg: a descriptor sent with
+# the frame arrives with its first byte. The body (of MAP or whatever came) follows as usual.
+FD_HEADER_BYTES: Final = APP_HEADER_SIZE
 # Descriptors one recvmsg accepts; more are cut by the kernel (MSG_CTRUNC) and the MAP refused.
 MAX_FDS_PER_FRAME: Final = 4
 # cudaHostRegister flags: the mapping is read-only, so the pages are pinned for reading only.
@@ -262,7 +262,7 @@ class ShmOps:
                                     " attached", field="phase", value=att.phase)
             check_region_size(att.region_bytes, self.max_region_bytes)
             state.offer = att.region_bytes
-            conn.expect_fds(MAP_FRAME_BYTES)
+            conn.expect_fds(FD_HEADER_BYTES)
             return self.reply(0)
         offer, state.offer = state.offer, 0
         if not offer:
