@@ -293,7 +293,7 @@ def cuda_host_register(address: int, nbytes: int) -> Unregister | None:
     memory: slower, still correct)."""
     import torch
 
-    cudart = torch.cuda.cudart()
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     err = cudart.cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_READ_ONLY)
     if int(err) != 0:
         with contextlib.suppress(Exception):
