@@ -41,7 +41,8 @@ STATS JSON (UTF-8 object; fields are only ever added)::
                  "refusals": {"<OP>:<STATUS>": int},
                  "request_status": {"OK" | "PARTIAL_WINDOW" | ...: int},
                  "sessions_dropped": {"replaced" | "recreated" | "expired" | ...: int}},
-      "latency_us": {"decode" | "queue" | "apply" | "draft" | "encode" | "step":
+      "latency_us": {"decode" | "queue" | "apply" | "draft" | "encode" | "step" |
+                     "to_device" | "from_device":
                      {"count": int, "p50_us", "p90_us", "p99_us", "max_us": float}},
       "memory": {"window_bytes": int, "window_used_bytes": int, "window_bytes_per_slot": int,
                  "receive_buffers_bytes": int, "rss_bytes": int,
@@ -424,6 +425,7 @@ class Dispatcher:
 
     def complete(self, item: StepItem) -> None:
         """The runner is done with a STEP (loop thread): reply, account, recycle its buffer."""
+        t_back = time.perf_counter()
         conn, h, m = item.conn, item.header, self.metrics
         conn.release_storage(item.storage)
         item.storage = None
@@ -462,6 +464,9 @@ class Dispatcher:
             m.observe_stage("draft", item.draft_s)
         m.observe_stage("encode", item.encode_s)
         m.observe_stage("step", t_done - item.t_arrival)
+        if item.t_exec1:
+            m.observe_stage("to_device", item.t_exec0 - item.t_queued)
+            m.observe_stage("from_device", t_back - item.t_exec1)
 
     def record_batch(self, steps: int, entries: int) -> None:
         self.metrics.batch_steps.observe(steps)

@@ -73,8 +73,8 @@ class StepItem:
 
     __slots__ = ("all_ok", "apply_s", "conn", "draft_s", "drafted", "drafting", "encode_s",
                  "error", "header", "n_drafted", "plan", "reply", "reply_buf", "session", "shed",
-                 "skipped", "status", "storage", "t_arrival", "t_queued", "t_start", "view",
-                 "window_rows")
+                 "skipped", "status", "storage", "t_arrival", "t_exec0", "t_exec1", "t_queued",
+                 "t_start", "view", "window_rows")
 
     def __init__(self, conn: Any, header: AppHeader, session: Session, view: StepView,
                  plan: StepPlan, storage: Buffer | None, reply_buf: Buffer, t_arrival: float,
@@ -90,6 +90,7 @@ class StepItem:
         self.shed = shed
         self.t_queued = time.perf_counter()
         self.t_start = 0.0
+        self.t_exec0 = self.t_exec1 = 0.0  # the device thread's batch began / ended
         self.apply_s = self.draft_s = self.encode_s = 0.0
         self.status: npt.NDArray[np.uint8] | None = None
         self.window_rows: npt.NDArray[np.int64] | None = None
@@ -258,6 +259,7 @@ class Runner:
 
     # -- device side (the device thread) ----------------------------------------------------------
     def _execute(self, batch: list[Op]) -> None:
+        t_exec0 = time.perf_counter()
         steps: list[StepItem] = []
         for op in batch:
             if isinstance(op, LaneOp):
@@ -283,6 +285,10 @@ class Runner:
             except Exception as exc:
                 item.error = exc
             item.encode_s = time.perf_counter() - t
+        t_exec1 = time.perf_counter()
+        for op in batch:
+            if isinstance(op, StepItem):
+                op.t_exec0, op.t_exec1 = t_exec0, t_exec1
 
     def _lane_op(self, op: LaneOp) -> None:
         s = op.session
