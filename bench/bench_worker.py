@@ -5,6 +5,7 @@ bookkeeping per STEP without torch.
                                  [--unix] [--skip-rtt] [--skip-bookkeeping]
     python bench/bench_worker.py --transports [--rounds 3] [--device cpu]
     python bench/bench_worker.py --engine-shaped [--steps 100]
+    python bench/bench_worker.py --handoffs [--iters 300]
 
 1. RTT: frames of about 4 KiB, 256 KiB and 4 MiB (1, 4 and 8 entries; rows of the embedded
    drafter, 768 bytes each, every entry RF_RESET so each STEP re-applies the same rows), in two
@@ -606,6 +607,73 @@ def bench_engine_shaped(steps: int, threads: int, device: str) -> None:
             raise SystemExit("worker did not exit 0")
 
 
+def bench_handoffs(iters: int, threads: int, device: str) -> None:
+    """The two cross-thread hand-offs of a STEP (event loop -> device thread -> loop), from the
+    worker's own to_device / from_device stages (STATS latency_us), per transport, for a
+    one-row STEP (the hand-offs do not depend on size) and a 4 MiB one."""
+    import json
+
+    from dspark_worker.drafter import embedded_default
+    from protocol.constants import OP_STATS
+    from protocol.shm import set_rows_at
+    from tests.support.worker_proc import start_worker
+
+    d = embedded_default()
+    rb = d.row_bytes
+    tmp = tempfile.mkdtemp(prefix="dspark-bench-")
+    path = f"{tmp}/w.sock"
+    print(f"{'transport':>9} {'rows':>6} | {'to_device p50':>13} {'p90':>6} |"
+          f" {'from_device p50':>15} {'p90':>6} | {'step p50':>8} | {'RTT p50':>7}  (us)")
+    for name in ("tcp", "unix", "shm"):
+        for n_rows in (1, 5460):
+            extra = ["--window", str(WINDOW), "--max-rows-per-step", "8192", "--max-slots",
+                     "8", "--max-total-slots", "8", "--metrics-listen", "none", "--log-level",
+                     "WARNING", "--device", device, "--unix", path]
+            with start_worker(*extra, env={"OMP_NUM_THREADS": str(threads)}) as w:
+                c: RawClient = (RawClient((w.host, w.port)) if name == "tcp"
+                                else ShmRawClient(path))
+                hello = Hello(sample_mode=0, window=WINDOW, num_spec=d.num_spec, max_slots=8,
+                              max_rows_per_step=8192, row_bytes=rb, vocab_size=d.vocab_size,
+                              n_taps=d.n_taps, hidden=d.target_hidden,
+                              drafter_identity=d.drafter_identity,
+                              markov_identity=d.markov_identity, client_name="handoffs")
+                c.seq = 1
+                c.exchange(frame(OP_HELLO, 1, 0xB0C, hello.pack()))
+                n_req = -(-n_rows // WINDOW)
+                per = n_rows // n_req
+                entries = [ReqEntry(slot=i, generation=1, anchor_pos=per, anchor_token=1,
+                                    n_rows=per, flags=RF_RESET) for i in range(n_req)]
+                rows = np.zeros((per * n_req, rb), np.uint8)
+                body = pack_step(1, entries, rows.tobytes(), rb)
+                if name == "shm":
+                    assert isinstance(c, ShmRawClient)
+                    c.attach(0xB0C, rows.nbytes)
+                    prefix = bytearray(body[:rows_offset_for(n_req)])
+                    set_rows_at(prefix, 0, 0)
+                    body = bytes(prefix)
+                data = bytearray(frame(OP_STEP, 0, 0xB0C, body))
+                rtt = []
+                for _ in range(iters):
+                    c.seq += 1
+                    SEQ.pack_into(data, SEQ_OFFSET, c.seq)
+                    t0 = time.perf_counter()
+                    h, _ = c.exchange(data)
+                    rtt.append((time.perf_counter() - t0) * 1e6)
+                    if h.status != ST_OK:
+                        raise SystemExit(f"STEP refused: {h.status}")
+                c.seq += 1
+                c.buf = bytearray(1 << 22)
+                c.view = memoryview(c.buf)
+                _, stats = c.exchange(frame(OP_STATS, c.seq, 0))
+                lat = json.loads(bytes(stats))["latency_us"]
+                to, back, step = lat["to_device"], lat["from_device"], lat["step"]
+                print(f"{name:>9} {per * n_req:>6} | {to['p50_us']:>13.0f} {to['p90_us']:>6.0f} |"
+                      f" {back['p50_us']:>15.0f} {back['p90_us']:>6.0f} |"
+                      f" {step['p50_us']:>8.0f} | {statistics.median(rtt):>7.0f}")
+                c.sock.close()
+                w.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=300)
@@ -626,7 +694,13 @@ def main() -> None:
     ap.add_argument("--engine-shaped", action="store_true",
                     help="dspark-client bench with 25,600-byte rows over each transport")
     ap.add_argument("--steps", type=int, default=100, help="rounds of --engine-shaped")
+    ap.add_argument("--handoffs", action="store_true",
+                    help="the worker's to_device / from_device stages per transport")
     args = ap.parse_args()
+    if args.handoffs:
+        bench_handoffs(args.iters, args.threads, "cpu" if args.device == "auto"
+                       else args.device)
+        return
     if args.transports:
         bench_transports(args.rounds, args.threads, "cpu" if args.device == "auto"
                          else args.device, tuple(int(x) for x in args.sizes.split(",")))

@@ -30,7 +30,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -222,10 +222,24 @@ class Runner:
         steps = [op for op in batch if isinstance(op, StepItem)]
         for item in steps:
             item.t_start = t
-        try:
-            await loop.run_in_executor(self._executor, self._execute, batch)
-        except Exception as exc:  # _execute catches per item; this is a bug
-            log.exception("runner batch failed")
+        answered: asyncio.Future[None] = loop.create_future()
+
+        def done(fut: Future[None]) -> None:  # the device thread, as the batch ends
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to answer
+                loop.call_soon_threadsafe(self._answer, steps, fut, answered)
+
+        # The STEPs are answered from the one callback the device thread posts to the loop,
+        # not after the asyncio future of run_in_executor wakes this task: one loop turn less
+        # between the batch's end and its replies.
+        self._executor.submit(self._execute, batch).add_done_callback(done)
+        await answered
+
+    def _answer(self, steps: list[StepItem], fut: Future[None],
+                answered: asyncio.Future[None]) -> None:
+        exc: BaseException | None = (InternalError("the device thread was shut down")
+                                     if fut.cancelled() else fut.exception())
+        if exc is not None:  # _execute catches per item; this is a bug
+            log.error("runner batch failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
             for item in steps:
                 if item.error is None and not item.skipped:
                     item.error = exc
@@ -237,6 +251,9 @@ class Runner:
                 self._complete(item)
             except Exception:
                 log.exception("completing STEP seq %d failed", item.header.seq)
+        steps.clear()
+        if not answered.done():
+            answered.set_result(None)
 
     def _take_batch(self) -> list[Op]:
         batch: list[Op] = []
