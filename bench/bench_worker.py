@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import socket
 import statistics
@@ -485,6 +486,7 @@ def bench_transports(rounds: int, threads: int, device: str, sizes: tuple[int, .
         results: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
         floors: dict[tuple[str, int], list[float]] = {}
         copies: dict[int, list[float]] = {}
+        echo_ids = itertools.count()
         for _ in range(rounds):
             for size in sizes:
                 iters = SWEEP_ITERS.get(size, 50)
@@ -514,7 +516,7 @@ def bench_transports(rounds: int, threads: int, device: str, sizes: tuple[int, .
                     bench_raw(req_len, reply_len, iters, True)[0])
                 floors.setdefault(("unix", size), []).append(
                     bench_raw(req_len, reply_len, iters, True,
-                              unix_path=f"{tmp}/echo-{size}-{len(floors)}.sock")[0])
+                              unix_path=f"{tmp}/echo-{next(echo_ids)}.sock")[0])
                 copies.setdefault(size, []).append(memcpy_us(n_rows * rb, iters))
         print(f"rows-only STEP, microseconds, median over {rounds} rounds of each round's p50;"
               f" row_bytes {rb}, W {window}, device {device}")

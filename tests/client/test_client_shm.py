@@ -1,8 +1,8 @@
 """The client over ``unix+shm://`` (docs/contract.md section 13) against a real worker process:
 rounds whose rows go through the shared-memory region draft exactly what the same rounds over
 the socket draft (and what the reference drafter drafts), ``rows_buffer`` sends no row bytes and
-copies nothing, and every case the region cannot be used in falls back to rows on the socket:
-a region over the worker's limit, a TCP endpoint, a plain ``unix://`` endpoint."""
+copies nothing, and where the region cannot be used rows go on the socket: a TCP endpoint, a
+plain ``unix://`` endpoint (a region over the worker's limit: tests/worker/test_worker_shm.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from protocol import wire
 from tests.support.worker_proc import WorkerProcess, start_worker
 
 W, SLOTS = 16, 6
-LIMIT = 1 << 20  # the worker's region limit: 1024 rows of 768 bytes fit, 4096 do not
+LIMIT = 1 << 20  # the worker's region limit: 1024 rows of 768 bytes fit
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,8 @@ def drafter() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
     path = tmp_path_factory.mktemp("shm") / "w.sock"
-    with start_worker("--window", str(W), "--max-slots", "8", "--max-total-slots", "48",
+    with start_worker("--window", str(W), "--max-slots", "8", "--max-total-slots", "96",
+                      "--max-rows-per-step", "1024",
                       "--device", "cpu", "--max-shm-region-bytes", str(LIMIT),
                       "--unix", str(path), "--no-warmup") as w:
         yield w
@@ -133,25 +134,6 @@ def test_rows_buffer_is_the_region_and_nothing_is_copied(worker: WorkerProcess,
         c.close()
 
 
-def test_region_over_the_worker_limit_falls_back(worker: WorkerProcess, drafter: Any) -> None:
-    assert worker.unix_path is not None
-    c = make(f"unix+shm://{worker.unix_path}", drafter, "too-big", max_rows=4096)
-    try:
-        assert not c.rows_in_shm and not c.disabled
-        snap = c.stats.snapshot()
-        assert snap["shm_fallbacks"] == 1 and snap["rows_transport"] == "socket"
-        assert "LIMITS" in snap["shm_fallback_reason"]
-        assert str(LIMIT) in snap["shm_fallback_reason"]
-        eng = RealEngine(DraftRounds(c), drafter, seed=2)
-        eng.admit(0, 9)
-        reqs, res = eng.run([0])
-        assert res.ok, res.reason
-        eng.check(reqs, res)
-        assert "steps_shm" not in c.stats.snapshot()
-    finally:
-        c.close()
-
-
 def test_tcp_endpoint_keeps_rows_on_the_socket(worker: WorkerProcess, drafter: Any) -> None:
     assert worker.endpoint is not None
     c = make(worker.endpoint, drafter, "tcp")
@@ -191,3 +173,23 @@ def test_unix_shm_endpoints_parse() -> None:
     with pytest.raises(EndpointError, match="absolute"):
         parse_endpoint("unix+shm://run/dspark.sock")
     RemoteConfig(endpoint="unix+shm:///run/dspark.sock")  # accepted by the config too
+
+
+def test_cli_bench_over_unix_shm(worker: WorkerProcess) -> None:
+    """``dspark-client bench`` takes a unix+shm:// endpoint; its rounds go through the region
+    (the worker counts the STEPs, the socket carries no rows)."""
+    import io
+    import json
+
+    from dspark_client.cli import main
+
+    assert worker.unix_path is not None
+    mapped = worker.log_text().count("shared-memory rows region")
+    out = io.StringIO()
+    code = main(["--endpoint", f"unix+shm://{worker.unix_path}", "bench", "--batch", "4",
+                 "--steps", "6", "--warmup", "1", "--accept", "2", "--json", "--no-progress"],
+                out=out)
+    assert code == 0
+    result = json.loads(out.getvalue())
+    assert result["failed_rounds"] == 0 and result["rows_per_s"] > 0
+    assert worker.log_text().count("shared-memory rows region") == mapped + 1

@@ -389,3 +389,32 @@ def test_shm_step_frame_layout() -> None:
     assert int.from_bytes(body[24:32], "little") == 4096
     assert APP_HEADER_SIZE + len(body) == 24 + 32 + 48
     assert StepReply is not None
+
+
+def test_client_falls_back_when_its_region_is_over_the_limit(worker: WorkerProcess,
+                                                             drafter: Any) -> None:
+    """The engine's client, max_rows_per_step 4096 rows of 768 bytes (3 MiB) against a 1 MiB
+    limit: the OFFER is refused ST_LIMITS, the client says so and sends rows on the socket."""
+    from dspark_client.client import RemoteDraftClient
+    from dspark_client.config import RemoteConfig
+
+    assert worker.unix_path is not None
+    c = RemoteDraftClient(RemoteConfig(endpoint=f"unix+shm://{worker.unix_path}",
+                                       connect_timeout_ms=5000, timeout_ms=5000),
+                          make_hello(drafter, window=64, max_slots=2, max_rows_per_step=4096,
+                                     client_name="shm-too-big"))
+    try:
+        assert c.wait_ready(20.0), c.last_error
+        snap = c.stats.snapshot()
+        assert not c.rows_in_shm and not c.disabled
+        assert snap["shm_fallbacks"] == 1 and snap["rows_transport"] == "socket"
+        assert "LIMITS" in snap["shm_fallback_reason"] and str(LIMIT) in snap[
+            "shm_fallback_reason"]
+        rows = c.rows_buffer(3)
+        rows[:] = tap_rows(drafter.row_bytes, 0, 1, 0, 3)
+        hdr = bytearray(APP_HEADER_SIZE + rows_offset_for(1))
+        out = c.step(hdr, entries_for(0, 3, 3), 3, 1, rows=rows)
+        assert out.ok and out.reply is not None and out.reply.status.tolist() == [RS_OK]
+        assert "steps_shm" not in c.stats.snapshot()
+    finally:
+        c.close()
