@@ -586,12 +586,15 @@ def bench_engine_shaped(steps: int, threads: int, device: str) -> None:
     tmp = tempfile.mkdtemp(prefix="dspark-bench-")
     ckpt = taps_25600_checkpoint(f"{tmp}/ckpt")
     path = f"{tmp}/w.sock"
-    extra = ["--checkpoint", ckpt, "--window", "256", "--max-slots", "64",
-             "--max-total-slots", "192", "--max-rows-per-step", "16384", "--device", device,
+    # W 16: the first round resyncs 64 x 16 rows (26 MB); later rounds carry 64 x 5 rows
+    # (8.2 MB). max_rows_per_step 2048 keeps the client's region (52 MB) under the default limit.
+    extra = ["--checkpoint", ckpt, "--window", "16", "--max-slots", "64",
+             "--max-total-slots", "192", "--max-rows-per-step", "2048", "--device", device,
              "--metrics-listen", "none", "--log-level", "WARNING", "--unix", path]
     with start_worker(*extra, env={"OMP_NUM_THREADS": str(threads)}) as w:
         for endpoint in (f"tcp://{w.host}:{w.port}", f"unix://{path}", f"unix+shm://{path}"):
-            cmd = [sys.executable, "-m", "dspark_client.cli", "--endpoint", endpoint, "bench",
+            cmd = [sys.executable, "-m", "dspark_client.cli", "--endpoint", endpoint,
+                   "--timeout", "30", "bench",
                    "--batch", "64", "--accept", "4", "--steps", str(steps), "--warmup", "10",
                    "--json", "--no-progress"]
             out = subprocess.run(cmd, capture_output=True, text=True, check=False,

@@ -23,6 +23,13 @@ so): make a new client, with its own ``client_name``, in the child.
 
 Reply arrays returned by ``step()`` are numpy views over the client's reply buffer: they stay
 valid until the next ``step()`` of this client.
+
+Shared-memory rows (section 13). With a ``unix+shm://`` endpoint the client makes one sealed
+memfd for the run (``dspark_client.shm``) and, after each accepted HELLO whose reply offers
+``CAP_SHM_ROWS``, attaches it to the connection (OFFER, then MAP with the descriptor). STEPs on
+such a connection carry ``SF_ROWS_SHM`` and the rows' offset instead of the rows: rows passed
+to ``step()`` that lie in the region (``rows_buffer``) are sent as they are, other rows are
+copied into it first. Any refusal of the attach means rows on the socket for that connection.
 """
 
 from __future__ import annotations
