@@ -193,3 +193,12 @@ def test_cli_bench_over_unix_shm(worker: WorkerProcess) -> None:
     result = json.loads(out.getvalue())
     assert result["failed_rounds"] == 0 and result["rows_per_s"] > 0
     assert worker.log_text().count("shared-memory rows region") == mapped + 1
+
+
+def test_an_empty_rows_view_is_sent_as_nothing() -> None:
+    """A round with no new rows passes ``staging[:0]`` (shape (0, row_bytes)); memoryview.cast
+    refuses zero shapes, so the transport once failed such a STEP before sending it."""
+    from dspark_client.transport import _byte_view
+
+    assert _byte_view(np.empty((4, 768), np.uint8)[:0]).nbytes == 0
+    assert _byte_view(np.zeros((2, 3), np.uint8)).nbytes == 6
