@@ -107,6 +107,7 @@ class Region:
 
     def __init__(self, mm: mmap.mmap, register: Register | None = None) -> None:
         self.nbytes = len(mm)
+        # Python's mmap keeps a duplicate of the descriptor while mapped: one per region.
         arr = np.frombuffer(mm, dtype=np.uint8)  # keeps mm (and the mapping) alive
         del mm  # from here the array and its views own the mapping: it goes with the last
         self.address = int(arr.ctypes.data)
