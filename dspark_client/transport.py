@@ -310,8 +310,11 @@ class SocketClient:
             if remaining <= 0:
                 raise TransportTimeout(f"{self.endpoint.text}: deadline passed while sending")
             sock.settimeout(remaining)
-            sent = sock.sendmsg(pending[:_IOV_MAX], ancillary)
-            ancillary = []
+            if ancillary:
+                sent = sock.sendmsg(pending[:_IOV_MAX], ancillary)
+                ancillary = []
+            else:
+                sent = sock.sendmsg(pending[:_IOV_MAX])
             while sent:
                 head = pending[0]
                 if sent >= head.nbytes:
