@@ -62,7 +62,7 @@ def test_metrics_move_with_frames(worker: ThreadWorker, drafter: Any) -> None:
     assert value(after, p + "hello_refusals_total", status="IDENTITY") == 1
     assert value(after, p + "request_status_total", status="OK") == 1
     assert value(after, p + "request_status_total", status="NO_WINDOW") == 1
-    assert value(after, p + "rows_received_total") == 10
+    assert value(after, p + "received_rows_total") == 10
     assert value(after, p + "drafted_positions_total") == d.num_spec
     assert value(after, p + "received_bytes_total") > 10 * d.row_bytes
     assert value(after, p + "sent_bytes_total") > 0
@@ -180,7 +180,7 @@ def test_step_families_follow_prometheus_rules() -> None:
     assert value(s, p + "frames_total", op="STEP", status="BAD_FRAME") == 1
     assert value(s, p + "request_status_total", status="OK") == 6
     assert value(s, p + "request_status_total", status="NO_WINDOW") == 2
-    assert value(s, p + "rows_received_total") == 7
+    assert value(s, p + "received_rows_total") == 7
     assert value(s, p + "drafted_positions_total") == 21
     assert m.totals["frames"] == 3 and m.refusals == {"STEP:BAD_FRAME": 1}
 
