@@ -116,7 +116,7 @@ def families(source: Any) -> list[MetricFamily]:
         key = (label_value,) if label else ()
         fam.samples[key] = fam.samples.get(key, 0) + value
 
-    for key, (name, help_) in COUNTERS.items():  # from 0, so rate() sees the first event
+    for name, help_ in COUNTERS.values():  # from 0, so rate() sees the first event
         add(name, help_, 0)
     for key, value in sorted(snap.items()):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or key in SKIPPED:

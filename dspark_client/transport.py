@@ -355,6 +355,8 @@ def _byte_view(part: Any) -> memoryview:
     view = part if isinstance(part, memoryview) else memoryview(part)
     if view.format == "B" and view.ndim == 1:
         return view
+    if view.nbytes == 0:  # e.g. no rows, shape (0, row_bytes): cast() refuses zero shapes
+        return memoryview(b"")
     if not view.c_contiguous:
         raise ValueError(f"a part of shape {view.shape} with strides {view.strides} is not"
                          " C-contiguous; sendmsg cannot send it without a copy")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -75,6 +76,35 @@ def test_metrics_move_with_frames(worker: ThreadWorker, drafter: Any) -> None:
     assert value(after, p + "batch_entries_sum") == 1  # one entry drafted (the other had none)
     info = [k for k in after if k[0] == p + "info"]
     assert info and dict(info[0][1])["drafter_identity"] == d.drafter_identity.hex()
+
+
+def test_start_time_and_memory_gauges(worker: ThreadWorker) -> None:
+    """Restarts are read from a gauge (not from *_created series, which some setups drop), and
+    the resident set is a gauge; on the CPU there is no device memory to report."""
+    _, text = worker.scrape()
+    s = samples(text)
+    start = value(s, "dspark_worker_start_time_seconds")
+    assert time.time() - 3600 < start <= time.time()
+    assert value(s, "dspark_worker_resident_memory_bytes") > 16 * 2**20
+    assert not [k for k in s if k[0].startswith("dspark_worker_device_memory")]
+
+
+def test_device_memory_gauges_are_read_when_scraped() -> None:
+    from prometheus_client import generate_latest
+
+    from dspark_worker.metrics import Metrics
+
+    m = Metrics(CollectorRegistry())
+    held = {"allocated": 5 << 20, "reserved": 8 << 20, "rss": 100 << 20}
+    m.watch_memory(lambda: held["rss"], (lambda: held["allocated"], lambda: held["reserved"]))
+    s = samples(generate_latest(m.registry).decode())
+    assert value(s, "dspark_worker_device_memory_allocated_bytes") == 5 << 20
+    assert value(s, "dspark_worker_device_memory_reserved_bytes") == 8 << 20
+    assert value(s, "dspark_worker_resident_memory_bytes") == 100 << 20
+    held.update(allocated=6 << 20, rss=101 << 20)
+    s = samples(generate_latest(m.registry).decode())
+    assert value(s, "dspark_worker_device_memory_allocated_bytes") == 6 << 20
+    assert value(s, "dspark_worker_resident_memory_bytes") == 101 << 20
 
 
 def test_healthz_and_other_paths(worker: ThreadWorker) -> None:
