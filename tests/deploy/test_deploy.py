@@ -211,17 +211,112 @@ def test_docker_exposes_the_default_ports() -> None:
     assert ports == {DRAFT_PORT, METRICS_PORT}
 
 
-def test_docker_healthcheck_is_readiness_on_the_metrics_port() -> None:
+def healthcheck_argv() -> list[str]:
     (check,) = instructions("HEALTHCHECK")
-    urls = re.findall(r"http://(?:127\.0\.0\.1|localhost):(\d+)(/[\w/]*)", check)
-    assert urls == [(str(METRICS_PORT), "/healthz")], check
+    argv = json.loads(check[check.index("CMD") + 3:].strip())  # exec form
+    assert isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+    return argv
 
 
-def test_docker_torch_is_the_version_ci_tests() -> None:
+def entrypoint_flag(name: str) -> str | None:
+    values = [a.split("=", 1)[1] for a in entrypoint() if a.startswith(f"{name}=")]
+    return values[-1] if values else None
+
+
+def test_docker_healthcheck_follows_the_configured_metrics_address() -> None:
+    """The check reads the port file the ENTRYPOINT makes the worker write, so it asks the
+    address --metrics-listen really bound (tests below run it against a real worker)."""
+    argv = healthcheck_argv()
+    assert argv[:4] == ["python", "-I", "-m", "dspark_worker.healthcheck"], argv
+    port_file = entrypoint_flag("--port-file")
+    assert port_file is not None, "the ENTRYPOINT writes no port file for the HEALTHCHECK"
+    assert argv[4:] == [port_file]
+    assert not re.search(r":\d+", " ".join(argv)), "the HEALTHCHECK names a fixed port"
+
+
+def docker_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for args in instructions("ENV"):
+        for word in shlex.split(args):
+            key, _, value = word.partition("=")
+            env[key] = value
+    return env
+
+
+def test_docker_writable_paths_are_the_ones_kubernetes_mounts_writable() -> None:
+    """Under readOnlyRootFilesystem only the emptyDir mounts can be written: HOME, the caches
+    (CUDA, Triton, torch) and the port file must live there."""
+    c = worker_container()
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    pod = k8s_objects()["StatefulSet"]["spec"]["template"]["spec"]
+    empty_dirs = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+    writable = [m["mountPath"].rstrip("/") + "/" for m in c["volumeMounts"]
+                if m["name"] in empty_dirs and not m.get("readOnly")]
+    env = docker_env()
+    paths = {"HOME": env.get("HOME", "/home/dspark"), "XDG_CACHE_HOME":
+             env.get("XDG_CACHE_HOME", "(unset: $HOME/.cache)"),
+             "--port-file": entrypoint_flag("--port-file") or ""}
+    for what, path in paths.items():
+        assert any((path.rstrip("/") + "/").startswith(w) for w in writable), (
+            f"{what}={path} is not under a writable mount {writable}")
+
+
+def test_docker_installs_one_torch_the_tested_one() -> None:
+    """torch comes from its own layer only; the layer of the other requirements leaves it
+    out (so pip cannot add a second torch with a second set of CUDA wheels), and pip check
+    fails the build if TORCH_VERSION and the worker extra's pin disagree."""
+    runs = instructions("RUN")
+    torch_installs = [r for r in runs if re.search(r"pip install .*torch==", r)]
+    assert len(torch_installs) == 1, torch_installs
+    (req,) = [r for r in runs if "requirements.txt" in r and "tomllib" in r]
+    code = re.search(r'python -c "(.*?)" >', req, re.S)
+    assert code is not None, req
+    out = subprocess.run([sys.executable, "-c", code.group(1)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    listed = out.stdout.split()
+    project = msgspec.toml.decode((ROOT / "pyproject.toml").read_bytes())["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["worker"]
+    assert [r for r in wanted if not r.startswith("torch")] == out.stdout.splitlines()
+    assert not [r for r in listed if r.startswith("torch")]
+    assert any("pip check" in r for r in runs)
+    (base,) = instructions("FROM")
+    assert "cuda" not in base.lower(), "a CUDA base image would carry CUDA next to the wheels"
+
+
+def torch_pins() -> dict[str, str]:
+    ci = re.search(r"pip install[^\n]*torch==([\w.+]+)", (ROOT / ".ci" / "run").read_text())
     (arg,) = [a for a in instructions("ARG") if a.startswith("TORCH_VERSION=")]
-    pinned = re.search(r"torch==([\w.+]+)", (ROOT / ".ci" / "run").read_text())
-    assert pinned is not None, ".ci/run no longer pins torch"
-    assert arg.split("=", 1)[1] == pinned.group(1)
+    project = msgspec.toml.decode((ROOT / "pyproject.toml").read_bytes())["project"]
+    (extra,) = [r for r in project["optional-dependencies"]["worker"] if r.startswith("torch")]
+    pinned = re.fullmatch(r"torch==([\w.+]+)", extra.replace(" ", ""))
+    assert ci is not None, ".ci/run no longer installs a pinned torch"
+    assert pinned is not None, f"the worker extra does not pin torch: {extra!r}"
+    return {".ci/run": ci.group(1), "Dockerfile": arg.split("=", 1)[1],
+            "pyproject [worker]": pinned.group(1)}
+
+
+def test_torch_is_the_version_ci_tests_everywhere() -> None:
+    pins = torch_pins()
+    assert len(set(pins.values())) == 1, pins
+
+
+def readme_block(heading: str, index: int) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"## {heading}")
+    end = text.find("\n## ", start + 1)
+    blocks = re.findall(r"```bash\n(.*?)```", text[start:end], re.S)
+    return str(blocks[index]).strip()
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    m = re.search(r"^README_TEST='(.*)'$", ci, re.M)
+    assert m is not None, ".ci/run does not hold the README's test command"
+    assert m.group(1) == readme_block("The two commands", 1)
+    # ... and runs both halves of it.
+    assert 'eval "${README_TEST%% && *}"' in ci and 'eval "${README_TEST##* && }"' in ci
+
+
 
 
 def test_dockerignore_lets_the_copied_sources_in() -> None:
@@ -312,9 +407,113 @@ def test_k8s_secret_template_is_not_applied() -> None:
 
 
 def test_k8s_kustomizations_name_existing_files() -> None:
-    for path in K8S.rglob("kustomization.yaml"):
+    paths = sorted(DEPLOY.rglob("kustomization.yaml"))
+    assert len(paths) >= 3
+    for path in paths:
         for res in yaml.safe_load(path.read_text())["resources"]:
-            assert (path.parent / res).is_file(), f"{rel(path)}: {res} does not exist"
+            target = path.parent / res
+            assert target.is_file() or (target / "kustomization.yaml").is_file(), (
+                f"{rel(path)}: {res} is neither a file nor a kustomization")
+
+
+def pod_labels() -> dict[str, str]:
+    return dict(k8s_objects()["StatefulSet"]["spec"]["template"]["metadata"]["labels"])
+
+
+def test_k8s_replicas_never_share_a_node() -> None:
+    pod = k8s_objects()["StatefulSet"]["spec"]["template"]["spec"]
+    terms = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    on_node = [t for t in terms if t["topologyKey"] == "kubernetes.io/hostname"]
+    assert on_node, "no required anti-affinity per node"
+    for term in on_node:
+        assert term["labelSelector"]["matchLabels"].items() <= pod_labels().items()
+    for spread in pod.get("topologySpreadConstraints", []):
+        assert spread["labelSelector"]["matchLabels"].items() <= pod_labels().items()
+
+
+def test_k8s_priority_class_is_a_hook() -> None:
+    pod = k8s_objects()["StatefulSet"]["spec"]["template"]["spec"]
+    assert "priorityClassName" in pod  # "" in the base: the cluster default until set
+
+
+def test_k8s_checkpoint_claim_is_read_only_many() -> None:
+    objs = k8s_objects()
+    pod = objs["StatefulSet"]["spec"]["template"]["spec"]
+    (vol,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    claim = vol["persistentVolumeClaim"]
+    assert claim["readOnly"] is True
+    mounts = {m["name"]: m for m in worker_container()["volumeMounts"]}
+    assert mounts[vol["name"]]["readOnly"] is True
+    pvc = objs["PersistentVolumeClaim"]
+    assert pvc["metadata"]["name"] == claim["claimName"]
+    # Replicas on different nodes share it: ReadWriteOnce would attach to one node only.
+    assert pvc["spec"]["accessModes"] == ["ReadOnlyMany"]
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert "checkpoints-pvc.yaml" not in kustomization["resources"]  # a template
+
+
+# -- kustomize: the base, the monitoring objects and the example overlay build ----------------
+OVERLAY = DEPLOY / "kubernetes-overlays" / "example"
+KUBECTL = shutil.which("kubectl")
+REQUIRE_KUBECTL = os.environ.get("DSPARK_REQUIRE_KUBECTL") == "1"
+
+
+def kustomize(path: Path) -> list[dict[str, Any]]:
+    if KUBECTL is None:
+        if REQUIRE_KUBECTL:
+            pytest.fail("kubectl is required here (DSPARK_REQUIRE_KUBECTL=1)")
+        pytest.skip("kubectl is not installed (CI uses it where the machine has it)")
+    res = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return [d for d in yaml.safe_load_all(res.stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {d["kind"]: d for d in docs}
+
+
+def test_kustomize_builds_the_base_and_monitoring() -> None:
+    base = by_kind(kustomize(K8S))
+    assert set(base) == {"StatefulSet", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+    assert "Secret" not in base  # applying the template would overwrite the real secret
+    args = base["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert any(a.startswith("--auth-secret-file=") for a in args)
+    monitoring = by_kind(kustomize(K8S / "monitoring"))
+    assert set(monitoring) == {"PodMonitor", "PrometheusRule"}
+
+
+def test_kustomize_overlay_sets_its_values() -> None:
+    values = yaml.safe_load((OVERLAY / "values.yaml").read_text())["data"]
+    docs = kustomize(OVERLAY)
+    objs = by_kind(docs)
+    assert "ConfigMap" not in objs, "values.yaml is local configuration, never applied"
+    # The monitoring namespace: on the metrics port's rule, and only there.
+    rules = objs["NetworkPolicy"]["spec"]["ingress"]
+    (metrics_rule,) = [r for r in rules if {p["port"] for p in r["ports"]} == {METRICS_PORT}]
+    (source,) = metrics_rule["from"]
+    assert source["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": values["monitoringNamespace"]}
+    # Every runbook URL: the overlay's base, each alert's own anchor kept.
+    anchors = {r["alert"]: r["annotations"]["runbook_url"].partition("#")[2]
+               for r in alert_rules()}
+    seen = 0
+    for group in objs["PrometheusRule"]["spec"]["groups"]:
+        for rule in group["rules"]:
+            url = rule["annotations"]["runbook_url"]
+            assert url == f"{values['runbookUrl']}#{anchors[rule['alert']]}", url
+            seen += 1
+    assert seen == len(anchors)
+    # The PriorityClass hook, set to a class the overlay defines.
+    pod = objs["StatefulSet"]["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == values["priorityClassName"]
+    assert objs["PriorityClass"]["metadata"]["name"] == values["priorityClassName"]
+    # Auth stays on and the anti-affinity stays in.
+    args = pod["containers"][0]["args"]
+    assert any(a.startswith("--auth-secret-file=") for a in args)
+    assert pod["affinity"]["podAntiAffinity"]
+    namespaced = [d for d in docs if d["kind"] != "PriorityClass"]
+    assert {d["metadata"].get("namespace") for d in namespaced} == {"dspark"}
 
 
 def test_k8s_grace_period_covers_the_drain() -> None:
