@@ -24,6 +24,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -673,7 +675,7 @@ def test_promtool_checks_and_unit_tests_the_rules(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     # Every dashboard query, variables filled in, as a recording rule: promtool parses them.
     exprs = [e.replace("$__rate_interval", "5m").replace("$job", ".*")
-             .replace("$instance", ".*") for e in dashboard_exprs()]
+             .replace("$instance", ".*").replace("$engine", ".*") for e in dashboard_exprs()]
     rules = {"groups": [{"name": "dashboard", "rules": [
         {"record": f"dashboard:query{i}", "expr": e} for i, e in enumerate(exprs)]}]}
     (tmp_path / "dash.yml").write_text(yaml.safe_dump(rules))
@@ -691,9 +693,12 @@ def test_dashboard_variables() -> None:
     for panel in dash["panels"]:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+    assert variables["engine"]["query"]["query"].startswith("label_values(dspark_client_")
     for expr in dashboard_exprs():
         if "dspark_worker_" in expr:
             assert 'instance=~"$instance"' in expr, expr
+        if "dspark_client_" in expr:
+            assert 'instance=~"$engine"' in expr, expr
 
 
 # -- docs -----------------------------------------------------------------------------------------
@@ -876,7 +881,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 break
             time.sleep(0.05)
         assert status == 200
-        yield {"metrics": text, "url": w.metrics_url, "worker": w}
+        yield {"metrics": text, "url": w.metrics_url, "worker": w, "secret": secret}
 
 
 def series(text: str) -> tuple[set[str], dict[tuple[str, str], set[str]]]:
@@ -920,10 +925,81 @@ def used_metrics() -> list[tuple[str, str, str]]:
     return out
 
 
+# Exported on CUDA only (on the CPU the drafter's tensors are part of the resident set).
+CUDA_ONLY = {"dspark_worker_device_memory_allocated_bytes",
+             "dspark_worker_device_memory_reserved_bytes"}
+
+
 def test_every_metric_used_exists_in_a_real_scrape(live: dict[str, Any]) -> None:
     names, _ = series(live["metrics"])
-    missing = sorted({(where, name) for where, name, _ in used_metrics() if name not in names})
+    missing = sorted({(where, name) for where, name, _ in used_metrics()
+                      if name not in names and name not in CUDA_ONLY})
     assert not missing, f"not in the worker's /metrics: {missing}"
+    source = (ROOT / "dspark_worker" / "metrics.py").read_text()
+    for name in CUDA_ONLY:
+        assert f'f"{{PREFIX}}{name.removeprefix("dspark_worker")}"' in source, name
+
+
+@pytest.fixture(scope="module")
+def engine_metrics(live: dict[str, Any]) -> str:
+    """An engine's view: a real client (authenticated) drives rounds against the live worker,
+    its collector sits in a fresh registry, and that registry is scraped over HTTP."""
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import CollectorRegistry, make_wsgi_app
+
+    import dspark_client as dc
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    worker = live["worker"]
+    drafter = Path(importlib.util.find_spec("dspark_worker").submodule_search_locations[0],
+                   "drafter", "reference")
+    hello = dc.hello_from_checkpoint(drafter, window=64, max_slots=4, max_rows_per_step=64,
+                                     client_name="deploy-test-engine")
+    client = dc.RemoteDraftClient(dc.RemoteConfig(endpoint=worker.endpoint, timeout_ms=10_000,
+                                                  auth_secret=live["secret"]), hello)
+    registry = CollectorRegistry()
+    registry.register(dc.prometheus_collector(client))
+    try:
+        assert client.wait_ready(30.0)
+        rounds = dc.DraftRounds(client)
+        rows = np.zeros((8, hello.row_bytes), np.uint8)
+        for i in range(3):
+            res = rounds.run([dc.SlotRequest(slot=0, generation=1, anchor_pos=8 + i,
+                                             anchor_token=3, rows=rows[:8 if i == 0 else 1],
+                                             n_out=hello.num_spec)])
+            assert res.ok, res.reason
+        rounds.run([], release=[0])
+        server = make_server("127.0.0.1", 0, make_wsgi_app(registry), handler_class=Quiet)
+        thread = threading.Thread(target=server.handle_request, daemon=True)
+        thread.start()
+        try:
+            status, text = scrape(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+        finally:
+            thread.join(10)
+            server.server_close()
+        assert status == 200
+        return text
+    finally:
+        client.close()
+
+
+def test_every_engine_metric_used_exists_in_a_real_client_scrape(engine_metrics: str) -> None:
+    names, _ = series(engine_metrics)
+    used = {m.group(1) for expr in dashboard_exprs()
+            for m in re.finditer(r"\b(dspark_client_\w+)", expr)}
+    assert len(used) >= 8, "the dashboard has no engine row"
+    assert not sorted(used - names), f"not in the client's collector: {sorted(used - names)}"
+
+
+def test_every_engine_metric_family_is_documented(engine_metrics: str) -> None:
+    doc = OPERATIONS.read_text()
+    for family in text_string_to_metric_families(engine_metrics):
+        shown = family.name + ("_total" if family.type == "counter" else "")
+        assert f"`{shown}" in doc, f"{shown} is not in docs/operations.md"
 
 
 def test_every_label_value_used_is_real(live: dict[str, Any]) -> None:
@@ -953,6 +1029,62 @@ def test_every_metric_family_is_documented(live: dict[str, Any]) -> None:
             continue
         shown = family.name + ("_total" if family.type == "counter" else "")
         assert f"`{shown}" in doc, f"{shown} is not in docs/operations.md"
+
+
+def test_no_rule_or_panel_reads_created_series() -> None:
+    """*_created series are dropped by some setups: restarts come from start_time_seconds."""
+    for expr in [r["expr"] for r in alert_rules()] + dashboard_exprs():
+        assert "_created" not in expr, expr
+    (restarting,) = [r for r in alert_rules() if r["alert"] == "DSparkWorkerRestarting"]
+    assert "dspark_worker_start_time_seconds" in restarting["expr"]
+
+
+def run_healthcheck(port_file: Path | str) -> subprocess.CompletedProcess[str]:
+    """The image's HEALTHCHECK command, with this port file, on this checkout's code (without
+    -I, which would ignore PYTHONPATH and run an installed copy)."""
+    argv = [a for a in healthcheck_argv() if a != "-I"]
+    argv = [sys.executable if argv[0] == "python" else argv[0], *argv[1:-1], str(port_file)]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_healthcheck_asks_the_metrics_address_in_the_port_file(live: dict[str, Any],
+                                                                tmp_path: Path) -> None:
+    worker = live["worker"]
+    ok = run_healthcheck(worker.port_file)
+    assert ok.returncode == 0, ok.stderr
+    assert f"{live['url']}/healthz: 200" in ok.stdout
+    missing = run_healthcheck(tmp_path / "none.json")
+    assert missing.returncode == 1 and "not ready" in missing.stderr
+    # A wildcard bind is asked on loopback; a dead address fails with one line.
+    ports = json.loads(worker.port_file.read_text())
+    port = ports["metrics"].rsplit(":", 1)[1]
+    (tmp_path / "wild.json").write_text(json.dumps({**ports, "metrics": f"0.0.0.0:{port}"}))
+    assert run_healthcheck(tmp_path / "wild.json").returncode == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    (tmp_path / "dead.json").write_text(json.dumps({**ports, "metrics": f"127.0.0.1:{dead}"}))
+    res = run_healthcheck(tmp_path / "dead.json")
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_healthcheck_without_metrics_checks_the_draft_port() -> None:
+    from tests.support.worker_proc import start_worker
+
+    with start_worker("--metrics-listen", "none", "--max-total-slots", "4", "--window", "64",
+                      "--max-slots", "4", "--no-warmup", "--log-level", "WARNING") as w:
+        ok = run_healthcheck(w.port_file)
+        assert ok.returncode == 0, ok.stderr
+        assert "accepts connections" in ok.stdout
+        port_file = w.port_file.read_text()
+        w.stop()
+    stopped = Path(tempfile.mkdtemp()) / "ports.json"
+    stopped.write_text(port_file)
+    try:
+        assert run_healthcheck(stopped).returncode == 1
+    finally:
+        shutil.rmtree(stopped.parent)
 
 
 def test_probe_paths_answer_on_the_real_worker(live: dict[str, Any]) -> None:
