@@ -67,6 +67,11 @@ LABELLED: Final[Mapping[str, tuple[str, str, str]]] = {
     "step_frame_": ("step_refusals", "STEPs answered with a frame status other than OK, by"
                     " status.", "status"),
 }
+# Label values exported from 0 on (the usual reasons), like the counters of COUNTERS.
+INITIAL_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
+    "rounds_failed_": ("timeout", "not_ready", "deferred", "transport_error", "bad_reply",
+                       "disabled"),
+}
 # Sums of a labelled family, or the RTT histogram's sum: not exported twice.
 SKIPPED: Final = frozenset({"rounds_failed", "rtt_us_total"})
 _NAME_CHARS: Final = re.compile(r"[^a-zA-Z0-9_]")
@@ -118,6 +123,10 @@ def families(source: Any) -> list[MetricFamily]:
 
     for name, help_ in COUNTERS.values():  # from 0, so rate() sees the first event
         add(name, help_, 0)
+    for prefix, values in INITIAL_LABELS.items():
+        name, help_, label = LABELLED[prefix]
+        for label_value in values:
+            add(name, help_, 0, label, label_value)
     for key, value in sorted(snap.items()):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or key in SKIPPED:
             continue  # values (strings, dicts, flags) are not counters

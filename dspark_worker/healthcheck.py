@@ -35,6 +35,10 @@ def _url(host: str, port: int, path: str) -> str:
     return f"http://[{host}]:{port}{path}" if ":" in host else f"http://{host}:{port}{path}"
 
 
+def _text(body: bytes) -> str:
+    return body.decode(errors="replace").strip()
+
+
 def check(port_file: str) -> tuple[bool, str]:
     """(healthy, what was found)."""
     try:
@@ -49,10 +53,10 @@ def check(port_file: str) -> tuple[bool, str]:
         url = _url(host, port, "/healthz")
         try:
             with urllib.request.urlopen(url, timeout=TIMEOUT_S) as r:
-                return r.status == 200, f"{url}: {r.status} {r.read(64).decode(errors='replace')}"
+                return r.status == 200, f"{url}: {r.status} {_text(r.read(64))}"
         except urllib.error.HTTPError as exc:
             with contextlib.closing(exc):
-                return False, f"{url}: {exc.code} {exc.read(64).decode(errors='replace')}"
+                return False, f"{url}: {exc.code} {_text(exc.read(64))}"
         except OSError as exc:
             return False, f"{url}: {exc}"
     try:
