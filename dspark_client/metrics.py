@@ -67,6 +67,12 @@ LABELLED: Final[Mapping[str, tuple[str, str, str]]] = {
     "step_frame_": ("step_refusals", "STEPs answered with a frame status other than OK, by"
                     " status.", "status"),
 }
+# Stats values (``set``) that are numbers or flags -> (gauge name, help); other numeric values
+# appear as ``dspark_client_<key>`` gauges by the same rule as the counters.
+GAUGES: Final[Mapping[str, tuple[str, str]]] = {
+    "epoch": ("epoch", "Connection epoch: HELLOs accepted by this client so far."),
+    "connected": ("connected", "1 while a connection to a worker is ready for STEPs."),
+}
 # Label values exported from 0 on (the usual reasons), like the counters of COUNTERS.
 INITIAL_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
     "rounds_failed_": ("timeout", "not_ready", "deferred", "transport_error", "bad_reply",
@@ -107,7 +113,7 @@ def _stats_of(source: Any) -> Stats:
 def families(source: Any) -> list[MetricFamily]:
     """The client's metric families, from one snapshot of its stats."""
     stats = _stats_of(source)
-    snap = stats.snapshot()
+    snap, values = stats.split_snapshot()
     hists = stats.histograms()
     p = PREFIX
     counters: dict[str, MetricFamily] = {}
@@ -123,14 +129,12 @@ def families(source: Any) -> list[MetricFamily]:
 
     for name, help_ in COUNTERS.values():  # from 0, so rate() sees the first event
         add(name, help_, 0)
-    for prefix, values in INITIAL_LABELS.items():
+    for prefix, label_values in INITIAL_LABELS.items():
         name, help_, label = LABELLED[prefix]
-        for label_value in values:
+        for label_value in label_values:
             add(name, help_, 0, label, label_value)
     for key, value in sorted(snap.items()):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or key in SKIPPED:
-            continue  # values (strings, dicts, flags) are not counters
-        if key in ("epoch", "connected"):
+        if key in SKIPPED:
             continue
         if key in COUNTERS:
             name, help_ = COUNTERS[key]
@@ -150,15 +154,16 @@ def families(source: Any) -> list[MetricFamily]:
             else:
                 add(stem.removesuffix("_total"), f"Client counter {key}.", value)
     out = list(counters.values())
-    out.append(MetricFamily(f"{p}_epoch", "gauge", "Connection epoch: accepted HELLOs of this"
-                            " client so far (0 before the first).", (),
-                            {(): snap.get("epoch", 0)}))
-    out.append(MetricFamily(f"{p}_connected", "gauge", "1 while a connection to a worker is"
-                            " ready for STEPs.", (), {(): 1 if snap.get("connected") else 0}))
+    gauges: dict[str, int | float] = dict.fromkeys(GAUGES, 0)  # 0 before the first HELLO
+    gauges.update({k: int(v) if isinstance(v, bool) else v for k, v in values.items()
+                   if isinstance(v, (int, float))})
+    for key, value in sorted(gauges.items()):
+        name, help_ = GAUGES.get(key) or (_NAME_CHARS.sub("_", key), f"Client value {key}.")
+        out.append(MetricFamily(f"{p}_{name}", "gauge", help_, (), {(): value}))
     out.append(MetricFamily(f"{p}_disabled", "gauge", "1 once remote drafting is off for this"
                             " engine run (a fatal status; the log says why).", (),
                             {(): 1 if snap.get("remote_disabled") else 0}))
-    worker = snap.get("worker")
+    worker = values.get("worker")
     if isinstance(worker, dict):
         out.append(MetricFamily(f"{p}_worker_info", "gauge", "Constant 1: the worker this"
                                 " client last connected to.", ("worker_name", "endpoint"),

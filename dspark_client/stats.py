@@ -82,6 +82,13 @@ class Stats:
         out.update(copy.deepcopy(values))
         return out
 
+    def split_snapshot(self) -> tuple[dict[str, int | float], dict[str, Any]]:
+        """(counters, values) as separate copies, for an exporter that types them apart."""
+        with self._lock:
+            counters = dict(self._counters)
+            values = dict(self._values)
+        return counters, copy.deepcopy(values)
+
     def reset(self) -> None:
         with self._lock:
             self._counters.clear()

@@ -148,7 +148,15 @@ def test_a_counter_added_later_flows_through_without_code() -> None:
     stats.inc("rounds_failed_timeout", 2)
     stats.inc("rounds_failed", 2)  # the sum of the labelled family: not exported twice
     stats.inc("step_frame_busy")
-    s = parsed(scrape(registry))
+    stats.set("starved_slots_now", 2)  # a value, not a counter: a gauge
+    stats.set("disabled_reason", "text is not a metric")
+    text = scrape(registry)
+    s = parsed(text)
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert types["dspark_client_starved_slots_now"] == "gauge"
+    assert value(s, "dspark_client_starved_slots_now") == 2
+    assert types["dspark_client_slots_starved"] == "counter"
+    assert not [k for k in s if "disabled_reason" in k[0]]
     assert value(s, "dspark_client_slots_starved_total") == 3
     assert value(s, "dspark_client_resync_wait_seconds_total") == 2.5
     assert value(s, "dspark_client_rounds_target_only_total", reason="timeout") == 2
