@@ -2,10 +2,11 @@
 (``client_metrics``) or through a prometheus-client collector that an engine registers in its
 own registry (``prometheus_collector``). docs/operations.md, "Engine-side metrics", lists them.
 
-Both read one ``Stats.snapshot()`` per call (per scrape), so the engine's thread pays nothing
-for them. Counters map by rule, not one by one: a counter added to ``Stats`` later appears as
-``dspark_client_<key>_total`` without a line here (``_us_total`` keys as ``_seconds_total``);
-the table below only gives names, help texts and labels to the ones that need them.
+Both read one snapshot of the ``Stats`` per call (per scrape), so the engine's thread pays
+nothing for them. Names map by rule, not one by one: a counter added to ``Stats`` later appears
+as ``dspark_client_<key>_total`` without a line here (``_us_total`` keys as ``_seconds_total``),
+a numeric value (``Stats.set``) as the gauge ``dspark_client_<key>``; the tables below only give
+names, help texts and labels to the ones that need them.
 
 prometheus_client stays optional: it is imported inside ``prometheus_collector`` only.
 """
