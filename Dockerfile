@@ -22,12 +22,17 @@ FROM python:3.11.11-slim-bookworm
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 
+# HOME and the caches (CUDA's JIT cache, Triton's, torch's) under /tmp: the one writable path
+# when the root filesystem is read-only (Kubernetes readOnlyRootFilesystem mounts an emptyDir
+# there; with `docker run --read-only` add `--tmpfs /tmp`). The port file goes there too.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache
 
 # tini as PID 1: until the drafter is loaded the worker has no SIGTERM handler, and PID 1
 # ignores signals it does not handle, so without an init `docker stop` / a pod deletion during
@@ -41,14 +46,18 @@ RUN apt-get update \
     && python -m venv /opt/venv
 
 # The heavy layer first, so that source changes do not reinstall torch and its CUDA libraries.
+# torch and the nvidia-* wheels it depends on are the image's only CUDA: the base image has none.
 RUN pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"
 
 WORKDIR /opt/dspark
 # The rest of the worker's dependencies, read from pyproject.toml (core + the worker extra), so
-# this list cannot drift from the package's; torch is already satisfied and stays as it is.
+# this list cannot drift from the package's. torch is left out of it: pip never installs a
+# second torch (and a second set of CUDA wheels) over the one above; `pip check` below fails the
+# build if TORCH_VERSION is not the version the worker extra pins.
 COPY pyproject.toml README.md ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['worker']))" > /tmp/requirements.txt \
+reqs = p['dependencies'] + p['optional-dependencies']['worker']; \
+print('\n'.join(r for r in reqs if not r.startswith('torch')))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
@@ -58,6 +67,7 @@ COPY dspark_client ./dspark_client
 # --no-deps: everything it needs is installed above. dspark-client comes along for debugging
 # from inside the container (`dspark-client --endpoint tcp://127.0.0.1:7600 stats`).
 RUN pip install --no-deps . \
+    && pip check \
     && mkdir -p /checkpoints \
     && dspark-worker --version
 
@@ -67,10 +77,14 @@ WORKDIR /home/dspark
 VOLUME ["/checkpoints"]
 # 7600: the draft protocol (TCP); 7601: HTTP /metrics, /healthz (ready), /livez (alive).
 EXPOSE 7600 7601
-# /healthz is 200 only once the drafter is loaded and warm, 503 while loading or draining. A big
-# checkpoint can take minutes to load: the start period covers it.
+# Ready = /healthz answers 200: the drafter is loaded and warm, not draining. The check reads the
+# port file the worker writes once ready (the ENTRYPOINT's --port-file), so it asks the metrics
+# address the worker really listens on, whatever --metrics-listen says (with --metrics-listen
+# none it only checks that the draft port accepts connections): do not override --port-file.
+# -I: no current directory or PYTHON* variables on the import path. A big checkpoint can take
+# minutes to load: the start period covers it.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:7601/healthz', timeout=2).status == 200 else 1)"]
+    CMD ["python", "-I", "-m", "dspark_worker.healthcheck", "/tmp/dspark-ports.json"]
 # Listen on every interface of the container; publish the ports only where engines can reach
 # them, and configure --auth-secret-file on any shared network (docs/operations.md, "Auth").
-ENTRYPOINT ["/usr/bin/tini", "--", "dspark-worker", "--listen=0.0.0.0:7600", "--metrics-listen=0.0.0.0:7601"]
+ENTRYPOINT ["/usr/bin/tini", "--", "dspark-worker", "--listen=0.0.0.0:7600", "--metrics-listen=0.0.0.0:7601", "--port-file=/tmp/dspark-ports.json"]

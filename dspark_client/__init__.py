@@ -7,7 +7,7 @@ Runs inside an LLM serving engine's rank 0 (vLLM, SGLang, TensorRT-LLM). Layers,
 * ``ring`` / ``rounds``: rank 0's ring of the newest W tap rows per slot and ``DraftRounds``,
   which turns the engine's per-step slot states into STEPs, resyncs and per-slot drafts;
 * ``schedule``: confidence-scheduled verification lengths (DSpark Algorithm 1);
-* ``config`` / ``stats``.
+* ``config`` / ``stats``; ``metrics``: the stats as a dict or a prometheus-client collector.
 
 Imports numpy, msgspec and ``protocol`` only: never torch, uvloop, prometheus_client or the
 worker.
@@ -31,6 +31,7 @@ In an engine's rank 0::
 from .client import RemoteDraftClient, StepOutcome
 from .config import RemoteConfig, RemoteConfigError
 from .hello import hello_from_checkpoint
+from .metrics import client_metrics, prometheus_collector
 from .ring import TapRing
 from .rounds import DraftRounds, RoundResult, SlotRequest
 from .schedule import ConfidenceHistory, Schedule, SpsTable, schedule_global, schedule_greedy
@@ -53,8 +54,10 @@ __all__ = [
     "TapRing",
     "TransportError",
     "TransportTimeout",
+    "client_metrics",
     "hello_from_checkpoint",
     "make_client",
+    "prometheus_collector",
     "schedule_global",
     "schedule_greedy",
 ]

@@ -68,6 +68,7 @@ from protocol.validate import check_reply_values
 
 from .config import RemoteConfig
 from .discovery import RESOLVE_RETRY_S, Discovery, Resolver, is_dns_endpoint
+from .metrics import RTT_KEY, STEP_RTT_BUCKETS
 from .placement import Placement
 from .shm import ShmRegion, shm_available
 from .shm import attach as shm_attach
@@ -306,6 +307,7 @@ class RemoteDraftClient:
         """Stop the connect thread and close the connection. Idempotent."""
         self._ready = False
         self._shared.ready_event.clear()
+        self.stats.set("connected", False)
         if self._pid == os.getpid():
             with self._lock:
                 self._ready = False
@@ -335,6 +337,7 @@ class RemoteDraftClient:
             conn.close()
         self._ready = False
         self._shared.ready_event.clear()
+        self.stats.set("connected", False)
 
     def new_session(self, reason: str) -> None:
         """Start a new session and reconnect at once. The HELLO with the new session id makes
@@ -443,6 +446,8 @@ class RemoteDraftClient:
                 self._ready = True
                 self.epoch += 1
                 epoch = self.epoch
+                self.stats.set("connected", True)  # under the lock, as the drop is
+                self.stats.set("epoch", epoch)
                 self._backoff_ms = self.cfg.backoff_ms
         if stale:  # HELLO again at once under the new id
             conn.close()
@@ -451,7 +456,7 @@ class RemoteDraftClient:
         self._placement.connected(endpoint)
         self._shared.ready_event.set()
         self.worker_info = rep
-        self.stats.inc("hellos")
+        self.stats.inc_many({"hellos": 1, "reconnects": int(epoch > 1)})
         self.stats.set("worker", {"name": rep.worker_name, "endpoint": endpoint,
                                   "max_slots": rep.max_slots,
                                   "max_rows_per_step": rep.max_rows_per_step,
@@ -835,6 +840,7 @@ class RemoteDraftClient:
                 return StepOutcome(False, reason="transport_error", unknown_apply=True,
                                    rtt_us=(time.perf_counter() - t0) * 1e6)
             rtt_us = (time.perf_counter() - t0) * 1e6
+            self.stats.observe(RTT_KEY, rtt_us * 1e-6, STEP_RTT_BUCKETS)
             out = self._check_step_reply(size, seq, session, step_id, entries, sent, rtt_us)
             counts: dict[str, float] = {"steps": 1, "bytes_sent": wire.APP_HEADER_SIZE + body_len,
                                         "bytes_received": size}

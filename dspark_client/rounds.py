@@ -178,6 +178,8 @@ class DraftRounds:
         out = client.step(self._headers, entries, n_rows, self._step_id, epoch=epoch,
                           rows=self.staging[:n_rows])
         resynced = sum(1 for item in plan if item[2])
+        if resynced:
+            client.stats.inc("slots_resynced", resynced)
         synced = self._synced_epoch
         if not out.ok or out.reply is None or out.drafted is None:
             for r in requests:

@@ -1,7 +1,8 @@
 """Counters and last values of the client, shared by the engine thread and the connect thread.
 
-``inc`` adds to a counter, ``set`` records a value (a string, a dict), ``get`` reads one and
-``snapshot`` returns a plain dict copy for logs, a metrics exporter or ``dspark-client stats``.
+``inc`` adds to a counter, ``set`` records a value (a string, a dict), ``observe`` adds a sample
+to a histogram (fixed buckets), ``get`` reads one and ``snapshot`` / ``histograms`` return plain
+dict copies for logs, ``dspark-client stats`` or the metrics of ``dspark_client.metrics``.
 A lock guards every call: the engine thread and the background connect thread both write, and
 a snapshot must never see a dict mid-update. Each call holds the lock for one dict operation.
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Mapping
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["Stats"]
@@ -21,6 +23,8 @@ class Stats:
         self._lock = threading.Lock()
         self._counters: dict[str, int | float] = {}
         self._values: dict[str, Any] = {}
+        # key -> (upper bounds, per-bucket counts with +Inf last, [sum])
+        self._hists: dict[str, tuple[tuple[float, ...], list[int], list[float]]] = {}
 
     def inc(self, key: str, n: int | float = 1) -> None:
         with self._lock:
@@ -32,6 +36,31 @@ class Stats:
             c = self._counters
             for key, n in counts.items():
                 c[key] = c.get(key, 0) + n
+
+    def observe(self, key: str, value: float, buckets: Sequence[float]) -> None:
+        """One sample into histogram ``key`` (``buckets``: ascending upper bounds, inclusive;
+        the first observation of a key fixes them)."""
+        with self._lock:
+            h = self._hists.get(key)
+            if h is None:
+                bounds = tuple(buckets)
+                h = self._hists[key] = (bounds, [0] * (len(bounds) + 1), [0.0])
+            h[1][bisect_left(h[0], value)] += 1
+            h[2][0] += value
+
+    def histograms(self) -> dict[str, dict[str, Any]]:
+        """Per histogram: ``{"buckets": [(upper bound, cumulative count), ..., (inf, n)],
+        "count": n, "sum": total}``."""
+        with self._lock:
+            raw = {k: (b, list(c), s[0]) for k, (b, c, s) in self._hists.items()}
+        out: dict[str, dict[str, Any]] = {}
+        for key, (bounds, counts, total) in raw.items():
+            cumulative, n = [], 0
+            for bound, c in zip((*bounds, float("inf")), counts, strict=True):
+                n += c
+                cumulative.append((bound, n))
+            out[key] = {"buckets": cumulative, "count": n, "sum": total}
+        return out
 
     def set(self, key: str, value: Any) -> None:
         with self._lock:
@@ -53,10 +82,18 @@ class Stats:
         out.update(copy.deepcopy(values))
         return out
 
+    def split_snapshot(self) -> tuple[dict[str, int | float], dict[str, Any]]:
+        """(counters, values) as separate copies, for an exporter that types them apart."""
+        with self._lock:
+            counters = dict(self._counters)
+            values = dict(self._values)
+        return counters, copy.deepcopy(values)
+
     def reset(self) -> None:
         with self._lock:
             self._counters.clear()
             self._values.clear()
+            self._hists.clear()
 
     def __repr__(self) -> str:
         return f"Stats({self.snapshot()!r})"

@@ -20,6 +20,7 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,15 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _cuda_memory(device: Any) -> tuple[Callable[[], int], Callable[[], int]]:
+    """(allocated, reserved) bytes of ``device``, read when scraped: both are host-side
+    counters of torch's allocator, no device synchronisation."""
+    import torch
+
+    return (lambda: int(torch.cuda.memory_allocated(device)),
+            lambda: int(torch.cuda.memory_reserved(device)))
+
+
 class WorkerApp:
     """One worker: ``await start()``, then ``await stop()`` (or ``run()`` until a signal)."""
 
@@ -169,6 +179,8 @@ class WorkerApp:
                                    f" {type(exc).__name__}: {exc}") from exc
         d = self.drafter
         device, dtype = str(d.device), _dtype_name(d.dtype)
+        self.metrics.watch_memory(rss_bytes, _cuda_memory(d.device)
+                                  if device.startswith("cuda") else None)
         log.info("drafter %s (%s family): drafter_identity %s markov_identity %s, device %s,"
                  " dtype %s, N %d, row_bytes %d (%d taps x %d), vocab %d, loaded in %.2f s",
                  getattr(d, "source", c.checkpoint or "embedded"),

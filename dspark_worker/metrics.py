@@ -12,7 +12,7 @@ name                                        type       labels / meaning
 ==========================================  =========  ==========================================
 dspark_worker_frames_total                  counter    op, status: frames answered
 dspark_worker_request_status_total          counter    status: STEP entries by request status
-dspark_worker_rows_received_total           counter    tap rows received in accepted STEPs
+dspark_worker_received_rows_total           counter    tap rows received in accepted STEPs
 dspark_worker_received_bytes_total          counter    bytes of every frame received
 dspark_worker_sent_bytes_total              counter    bytes of every reply sent
 dspark_worker_drafted_positions_total       counter    draft positions returned (k per entry)
@@ -29,6 +29,10 @@ dspark_worker_queue_steps                   gauge      STEPs waiting for the dev
 dspark_worker_window_memory_bytes           gauge      ring pool reserved at start
 dspark_worker_window_memory_used_bytes      gauge      ring memory of the lanes sessions hold
 dspark_worker_ready                         gauge      1 once the drafter is loaded and warm
+dspark_worker_start_time_seconds            gauge      Unix time the worker started (restarts)
+dspark_worker_resident_memory_bytes         gauge      the process's resident set size
+dspark_worker_device_memory_allocated_bytes gauge      CUDA only: torch tensors on the device
+dspark_worker_device_memory_reserved_bytes  gauge      CUDA only: torch's caching allocator
 dspark_worker_info                          gauge      1; labels version, worker_name, device,
                                                        dtype, drafter_identity, markov_identity
 dspark_worker_stage_duration_seconds        histogram  stage: decode, queue, apply, draft,
@@ -41,8 +45,9 @@ dspark_worker_batch_entries                 histogram  entries drafted per draft
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import accumulate
 from typing import Final
 
@@ -134,6 +139,13 @@ class Metrics:
                                         "Ring memory of the lanes sessions hold.", registry=r)
         self.ready = Gauge(f"{p}_ready", "1 once the drafter is loaded and warmed up.",
                            registry=r)
+        # A gauge, not the counters' *_created series: some setups drop those (the OpenMetrics
+        # option of prometheus_client, relabelling), and a restart alert must not depend on it.
+        self.start_time = Gauge(f"{p}_start_time_seconds",
+                                "Unix time the worker process started.", registry=r)
+        self.start_time.set(time.time())
+        self.resident_memory = Gauge(f"{p}_resident_memory_bytes",
+                                     "Resident set size of the worker process.", registry=r)
         self.info = Gauge(f"{p}_info", "Constant 1; what this worker runs.",
                           ["version", "worker_name", "device", "dtype", "drafter_identity",
                            "markov_identity"], registry=r)
@@ -154,6 +166,22 @@ class Metrics:
                                        "frames": 0, "received_bytes": 0, "sent_bytes": 0}
         self.refusals: dict[str, int] = {}
         registry.register(_StepFamilies(self))
+
+    def watch_memory(self, rss: Callable[[], int],
+                     device: tuple[Callable[[], int], Callable[[], int]] | None = None) -> None:
+        """Read the memory gauges at scrape time: ``rss()`` bytes, and on CUDA ``device``'s
+        (allocated, reserved) bytes. The device gauges exist only when ``device`` is given: on
+        the CPU the drafter's tensors are part of the resident set."""
+        self.resident_memory.set_function(rss)
+        if device is None:
+            return
+        allocated, reserved = device
+        Gauge(f"{PREFIX}_device_memory_allocated_bytes",
+              "Device memory held by torch tensors (weights, ring pool, working memory).",
+              registry=self.registry).set_function(allocated)
+        Gauge(f"{PREFIX}_device_memory_reserved_bytes",
+              "Device memory reserved by torch's caching allocator (allocated plus cached"
+              " blocks).", registry=self.registry).set_function(reserved)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         self.stage_buckets[stage][bisect_left(LATENCY_BUCKETS, seconds)] += 1
@@ -226,7 +254,7 @@ class _StepFamilies(Collector):
             req.add_metric([name], counts[rs])
         yield req
         for name, key, text in (
-                ("rows_received", "rows", "Tap rows received in accepted STEPs."),
+                ("received_rows", "rows", "Tap rows received in accepted STEPs."),
                 ("received_bytes", "received_bytes",
                  "Bytes of frames received (headers and bodies)."),
                 ("sent_bytes", "sent_bytes", "Bytes of replies sent."),

@@ -136,3 +136,37 @@ def test_importing_protocol_loads_no_torch() -> None:
         "torch", "dspark_worker", "dspark_client", "safetensors", "asyncio", "uvloop",
         "prometheus_client"))
     assert heavy == []
+
+
+CLIENT_PROBE = """
+import importlib.abc, json, sys
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "uvloop", "prometheus_client"):
+            raise ImportError(f"{name} is blocked in this probe")
+        return None
+
+sys.meta_path.insert(0, Block())
+import dspark_client, dspark_client.metrics
+stats = dspark_client.Stats()
+stats.inc("rounds_ok")
+assert dspark_client.client_metrics(stats)["dspark_client_rounds_drafted_total"] == 1
+try:
+    dspark_client.prometheus_collector(stats)
+except ImportError as exc:
+    print(json.dumps({"collector": str(exc), "modules": sorted(sys.modules)}))
+"""
+
+
+def test_dspark_client_imports_without_torch_uvloop_or_prometheus_client() -> None:
+    """The engine side needs none of them; its collector imports prometheus_client lazily, so
+    only an engine that asks for one needs it."""
+    out = subprocess.run([sys.executable, "-c", CLIENT_PROBE], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert "prometheus_client is blocked" in result["collector"]
+    loaded = {m.split(".")[0] for m in result["modules"]}
+    assert "dspark_client" in loaded
+    assert not loaded & {"torch", "uvloop", "prometheus_client", "dspark_worker"}

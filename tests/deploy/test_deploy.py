@@ -24,6 +24,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -211,17 +213,112 @@ def test_docker_exposes_the_default_ports() -> None:
     assert ports == {DRAFT_PORT, METRICS_PORT}
 
 
-def test_docker_healthcheck_is_readiness_on_the_metrics_port() -> None:
+def healthcheck_argv() -> list[str]:
     (check,) = instructions("HEALTHCHECK")
-    urls = re.findall(r"http://(?:127\.0\.0\.1|localhost):(\d+)(/[\w/]*)", check)
-    assert urls == [(str(METRICS_PORT), "/healthz")], check
+    argv = json.loads(check[check.index("CMD") + 3:].strip())  # exec form
+    assert isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+    return argv
 
 
-def test_docker_torch_is_the_version_ci_tests() -> None:
+def entrypoint_flag(name: str) -> str | None:
+    values = [a.split("=", 1)[1] for a in entrypoint() if a.startswith(f"{name}=")]
+    return values[-1] if values else None
+
+
+def test_docker_healthcheck_follows_the_configured_metrics_address() -> None:
+    """The check reads the port file the ENTRYPOINT makes the worker write, so it asks the
+    address --metrics-listen really bound (tests below run it against a real worker)."""
+    argv = healthcheck_argv()
+    assert argv[:4] == ["python", "-I", "-m", "dspark_worker.healthcheck"], argv
+    port_file = entrypoint_flag("--port-file")
+    assert port_file is not None, "the ENTRYPOINT writes no port file for the HEALTHCHECK"
+    assert argv[4:] == [port_file]
+    assert not re.search(r":\d+", " ".join(argv)), "the HEALTHCHECK names a fixed port"
+
+
+def docker_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for args in instructions("ENV"):
+        for word in shlex.split(args):
+            key, _, value = word.partition("=")
+            env[key] = value
+    return env
+
+
+def test_docker_writable_paths_are_the_ones_kubernetes_mounts_writable() -> None:
+    """Under readOnlyRootFilesystem only the emptyDir mounts can be written: HOME, the caches
+    (CUDA, Triton, torch) and the port file must live there."""
+    c = worker_container()
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    pod = k8s_objects()["StatefulSet"]["spec"]["template"]["spec"]
+    empty_dirs = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+    writable = [m["mountPath"].rstrip("/") + "/" for m in c["volumeMounts"]
+                if m["name"] in empty_dirs and not m.get("readOnly")]
+    env = docker_env()
+    paths = {"HOME": env.get("HOME", "/home/dspark"), "XDG_CACHE_HOME":
+             env.get("XDG_CACHE_HOME", "(unset: $HOME/.cache)"),
+             "--port-file": entrypoint_flag("--port-file") or ""}
+    for what, path in paths.items():
+        assert any((path.rstrip("/") + "/").startswith(w) for w in writable), (
+            f"{what}={path} is not under a writable mount {writable}")
+
+
+def test_docker_installs_one_torch_the_tested_one() -> None:
+    """torch comes from its own layer only; the layer of the other requirements leaves it
+    out (so pip cannot add a second torch with a second set of CUDA wheels), and pip check
+    fails the build if TORCH_VERSION and the worker extra's pin disagree."""
+    runs = instructions("RUN")
+    torch_installs = [r for r in runs if re.search(r"pip install .*torch==", r)]
+    assert len(torch_installs) == 1, torch_installs
+    (req,) = [r for r in runs if "requirements.txt" in r and "tomllib" in r]
+    code = re.search(r'python -c "(.*?)" >', req, re.S)
+    assert code is not None, req
+    out = subprocess.run([sys.executable, "-c", code.group(1)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    listed = out.stdout.split()
+    project = msgspec.toml.decode((ROOT / "pyproject.toml").read_bytes())["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["worker"]
+    assert [r for r in wanted if not r.startswith("torch")] == out.stdout.splitlines()
+    assert not [r for r in listed if r.startswith("torch")]
+    assert any("pip check" in r for r in runs)
+    (base,) = instructions("FROM")
+    assert "cuda" not in base.lower(), "a CUDA base image would carry CUDA next to the wheels"
+
+
+def torch_pins() -> dict[str, str]:
+    ci = re.search(r"pip install[^\n]*torch==([\w.+]+)", (ROOT / ".ci" / "run").read_text())
     (arg,) = [a for a in instructions("ARG") if a.startswith("TORCH_VERSION=")]
-    pinned = re.search(r"torch==([\w.+]+)", (ROOT / ".ci" / "run").read_text())
-    assert pinned is not None, ".ci/run no longer pins torch"
-    assert arg.split("=", 1)[1] == pinned.group(1)
+    project = msgspec.toml.decode((ROOT / "pyproject.toml").read_bytes())["project"]
+    (extra,) = [r for r in project["optional-dependencies"]["worker"] if r.startswith("torch")]
+    pinned = re.fullmatch(r"torch==([\w.+]+)", extra.replace(" ", ""))
+    assert ci is not None, ".ci/run no longer installs a pinned torch"
+    assert pinned is not None, f"the worker extra does not pin torch: {extra!r}"
+    return {".ci/run": ci.group(1), "Dockerfile": arg.split("=", 1)[1],
+            "pyproject [worker]": pinned.group(1)}
+
+
+def test_torch_is_the_version_ci_tests_everywhere() -> None:
+    pins = torch_pins()
+    assert len(set(pins.values())) == 1, pins
+
+
+def readme_block(heading: str, index: int) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"## {heading}")
+    end = text.find("\n## ", start + 1)
+    blocks = re.findall(r"```bash\n(.*?)```", text[start:end], re.S)
+    return str(blocks[index]).strip()
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    m = re.search(r"^README_TEST='(.*)'$", ci, re.M)
+    assert m is not None, ".ci/run does not hold the README's test command"
+    assert m.group(1) == readme_block("The two commands", 1)
+    # ... and runs both halves of it.
+    assert 'eval "${README_TEST%% && *}"' in ci and 'eval "${README_TEST##* && }"' in ci
+
+
 
 
 def test_dockerignore_lets_the_copied_sources_in() -> None:
@@ -312,9 +409,116 @@ def test_k8s_secret_template_is_not_applied() -> None:
 
 
 def test_k8s_kustomizations_name_existing_files() -> None:
-    for path in K8S.rglob("kustomization.yaml"):
+    paths = sorted(DEPLOY.rglob("kustomization.yaml"))
+    assert len(paths) >= 3
+    for path in paths:
         for res in yaml.safe_load(path.read_text())["resources"]:
-            assert (path.parent / res).is_file(), f"{rel(path)}: {res} does not exist"
+            target = path.parent / res
+            assert target.is_file() or (target / "kustomization.yaml").is_file(), (
+                f"{rel(path)}: {res} is neither a file nor a kustomization")
+
+
+def pod_labels() -> dict[str, str]:
+    return dict(k8s_objects()["StatefulSet"]["spec"]["template"]["metadata"]["labels"])
+
+
+def test_k8s_replicas_never_share_a_node() -> None:
+    pod = k8s_objects()["StatefulSet"]["spec"]["template"]["spec"]
+    terms = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    on_node = [t for t in terms if t["topologyKey"] == "kubernetes.io/hostname"]
+    assert on_node, "no required anti-affinity per node"
+    for term in on_node:
+        assert term["labelSelector"]["matchLabels"].items() <= pod_labels().items()
+    for spread in pod.get("topologySpreadConstraints", []):
+        assert spread["labelSelector"]["matchLabels"].items() <= pod_labels().items()
+
+
+def test_k8s_priority_class_is_a_hook() -> None:
+    pod = k8s_objects()["StatefulSet"]["spec"]["template"]["spec"]
+    assert "priorityClassName" in pod  # "" in the base: the cluster default until set
+
+
+def test_k8s_checkpoint_claim_is_read_only_many() -> None:
+    objs = k8s_objects()
+    pod = objs["StatefulSet"]["spec"]["template"]["spec"]
+    (vol,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    claim = vol["persistentVolumeClaim"]
+    assert claim["readOnly"] is True
+    mounts = {m["name"]: m for m in worker_container()["volumeMounts"]}
+    assert mounts[vol["name"]]["readOnly"] is True
+    pvc = objs["PersistentVolumeClaim"]
+    assert pvc["metadata"]["name"] == claim["claimName"]
+    # Replicas on different nodes share it: ReadWriteOnce would attach to one node only.
+    assert pvc["spec"]["accessModes"] == ["ReadOnlyMany"]
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert "checkpoints-pvc.yaml" not in kustomization["resources"]  # a template
+
+
+# -- kustomize: the base, the monitoring objects and the example overlay build ----------------
+OVERLAY = DEPLOY / "kubernetes-overlays" / "example"
+KUBECTL = shutil.which("kubectl")
+REQUIRE_KUBECTL = os.environ.get("DSPARK_REQUIRE_KUBECTL") == "1"
+
+
+def kustomize(path: Path) -> list[dict[str, Any]]:
+    if KUBECTL is None:
+        if REQUIRE_KUBECTL:
+            pytest.fail("kubectl is required here (DSPARK_REQUIRE_KUBECTL=1)")
+        pytest.skip("kubectl is not installed (CI uses it where the machine has it)")
+    res = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return [d for d in yaml.safe_load_all(res.stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {d["kind"]: d for d in docs}
+
+
+def test_kustomize_builds_the_base_and_monitoring() -> None:
+    base = by_kind(kustomize(K8S))
+    assert set(base) == {"StatefulSet", "Service", "PodDisruptionBudget", "NetworkPolicy",
+                         "ConfigMap"}
+    assert base["ConfigMap"]["metadata"]["name"] == "dspark-engine"  # the engines' RemoteConfig
+    assert "Secret" not in base  # applying the template would overwrite the real secret
+    args = base["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert any(a.startswith("--auth-secret-file=") for a in args)
+    monitoring = by_kind(kustomize(K8S / "monitoring"))
+    assert set(monitoring) == {"PodMonitor", "PrometheusRule"}
+
+
+def test_kustomize_overlay_sets_its_values() -> None:
+    values = yaml.safe_load((OVERLAY / "values.yaml").read_text())["data"]
+    docs = kustomize(OVERLAY)
+    objs = by_kind(docs)
+    config_maps = [d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"]
+    assert config_maps == ["dspark-engine"], "values.yaml is local configuration, never applied"
+    # The monitoring namespace: on the metrics port's rule, and only there.
+    rules = objs["NetworkPolicy"]["spec"]["ingress"]
+    (metrics_rule,) = [r for r in rules if {p["port"] for p in r["ports"]} == {METRICS_PORT}]
+    (source,) = metrics_rule["from"]
+    assert source["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": values["monitoringNamespace"]}
+    # Every runbook URL: the overlay's base, each alert's own anchor kept.
+    anchors = {r["alert"]: r["annotations"]["runbook_url"].partition("#")[2]
+               for r in alert_rules()}
+    seen = 0
+    for group in objs["PrometheusRule"]["spec"]["groups"]:
+        for rule in group["rules"]:
+            url = rule["annotations"]["runbook_url"]
+            assert url == f"{values['runbookUrl']}#{anchors[rule['alert']]}", url
+            seen += 1
+    assert seen == len(anchors)
+    # The PriorityClass hook, set to a class the overlay defines.
+    pod = objs["StatefulSet"]["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == values["priorityClassName"]
+    assert objs["PriorityClass"]["metadata"]["name"] == values["priorityClassName"]
+    # Auth stays on and the anti-affinity stays in.
+    args = pod["containers"][0]["args"]
+    assert any(a.startswith("--auth-secret-file=") for a in args)
+    assert pod["affinity"]["podAntiAffinity"]
+    namespaced = [d for d in docs if d["kind"] != "PriorityClass"]
+    assert {d["metadata"].get("namespace") for d in namespaced} == {"dspark"}
 
 
 def test_k8s_grace_period_covers_the_drain() -> None:
@@ -493,7 +697,7 @@ def test_promtool_checks_and_unit_tests_the_rules(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     # Every dashboard query, variables filled in, as a recording rule: promtool parses them.
     exprs = [e.replace("$__rate_interval", "5m").replace("$job", ".*")
-             .replace("$instance", ".*") for e in dashboard_exprs()]
+             .replace("$instance", ".*").replace("$engine", ".*") for e in dashboard_exprs()]
     rules = {"groups": [{"name": "dashboard", "rules": [
         {"record": f"dashboard:query{i}", "expr": e} for i, e in enumerate(exprs)]}]}
     (tmp_path / "dash.yml").write_text(yaml.safe_dump(rules))
@@ -511,9 +715,12 @@ def test_dashboard_variables() -> None:
     for panel in dash["panels"]:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+    assert variables["engine"]["query"]["query"].startswith("label_values(dspark_client_")
     for expr in dashboard_exprs():
         if "dspark_worker_" in expr:
             assert 'instance=~"$instance"' in expr, expr
+        if "dspark_client_" in expr:
+            assert 'instance=~"$engine"' in expr, expr
 
 
 # -- docs -----------------------------------------------------------------------------------------
@@ -696,7 +903,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 break
             time.sleep(0.05)
         assert status == 200
-        yield {"metrics": text, "url": w.metrics_url, "worker": w}
+        yield {"metrics": text, "url": w.metrics_url, "worker": w, "secret": secret}
 
 
 def series(text: str) -> tuple[set[str], dict[tuple[str, str], set[str]]]:
@@ -740,10 +947,81 @@ def used_metrics() -> list[tuple[str, str, str]]:
     return out
 
 
+# Exported on CUDA only (on the CPU the drafter's tensors are part of the resident set).
+CUDA_ONLY = {"dspark_worker_device_memory_allocated_bytes",
+             "dspark_worker_device_memory_reserved_bytes"}
+
+
 def test_every_metric_used_exists_in_a_real_scrape(live: dict[str, Any]) -> None:
     names, _ = series(live["metrics"])
-    missing = sorted({(where, name) for where, name, _ in used_metrics() if name not in names})
+    missing = sorted({(where, name) for where, name, _ in used_metrics()
+                      if name not in names and name not in CUDA_ONLY})
     assert not missing, f"not in the worker's /metrics: {missing}"
+    source = (ROOT / "dspark_worker" / "metrics.py").read_text()
+    for name in CUDA_ONLY:
+        assert f'f"{{PREFIX}}{name.removeprefix("dspark_worker")}"' in source, name
+
+
+@pytest.fixture(scope="module")
+def engine_metrics(live: dict[str, Any]) -> str:
+    """An engine's view: a real client (authenticated) drives rounds against the live worker,
+    its collector sits in a fresh registry, and that registry is scraped over HTTP."""
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import CollectorRegistry, make_wsgi_app
+
+    import dspark_client as dc
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    worker = live["worker"]
+    drafter = Path(importlib.util.find_spec("dspark_worker").submodule_search_locations[0],
+                   "drafter", "reference")
+    hello = dc.hello_from_checkpoint(drafter, window=64, max_slots=4, max_rows_per_step=64,
+                                     client_name="deploy-test-engine")
+    client = dc.RemoteDraftClient(dc.RemoteConfig(endpoint=worker.endpoint, timeout_ms=10_000,
+                                                  auth_secret=live["secret"]), hello)
+    registry = CollectorRegistry()
+    registry.register(dc.prometheus_collector(client))
+    try:
+        assert client.wait_ready(30.0)
+        rounds = dc.DraftRounds(client)
+        rows = np.zeros((8, hello.row_bytes), np.uint8)
+        for i in range(3):
+            res = rounds.run([dc.SlotRequest(slot=0, generation=1, anchor_pos=8 + i,
+                                             anchor_token=3, rows=rows[:8 if i == 0 else 1],
+                                             n_out=hello.num_spec)])
+            assert res.ok, res.reason
+        rounds.run([], release=[0])
+        server = make_server("127.0.0.1", 0, make_wsgi_app(registry), handler_class=Quiet)
+        thread = threading.Thread(target=server.handle_request, daemon=True)
+        thread.start()
+        try:
+            status, text = scrape(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+        finally:
+            thread.join(10)
+            server.server_close()
+        assert status == 200
+        return text
+    finally:
+        client.close()
+
+
+def test_every_engine_metric_used_exists_in_a_real_client_scrape(engine_metrics: str) -> None:
+    names, _ = series(engine_metrics)
+    used = {m.group(1) for expr in dashboard_exprs()
+            for m in re.finditer(r"\b(dspark_client_\w+)", expr)}
+    assert len(used) >= 8, "the dashboard has no engine row"
+    assert not sorted(used - names), f"not in the client's collector: {sorted(used - names)}"
+
+
+def test_every_engine_metric_family_is_documented(engine_metrics: str) -> None:
+    doc = OPERATIONS.read_text()
+    for family in text_string_to_metric_families(engine_metrics):
+        shown = family.name + ("_total" if family.type == "counter" else "")
+        assert f"`{shown}" in doc, f"{shown} is not in docs/operations.md"
 
 
 def test_every_label_value_used_is_real(live: dict[str, Any]) -> None:
@@ -773,6 +1051,62 @@ def test_every_metric_family_is_documented(live: dict[str, Any]) -> None:
             continue
         shown = family.name + ("_total" if family.type == "counter" else "")
         assert f"`{shown}" in doc, f"{shown} is not in docs/operations.md"
+
+
+def test_no_rule_or_panel_reads_created_series() -> None:
+    """*_created series are dropped by some setups: restarts come from start_time_seconds."""
+    for expr in [r["expr"] for r in alert_rules()] + dashboard_exprs():
+        assert "_created" not in expr, expr
+    (restarting,) = [r for r in alert_rules() if r["alert"] == "DSparkWorkerRestarting"]
+    assert "dspark_worker_start_time_seconds" in restarting["expr"]
+
+
+def run_healthcheck(port_file: Path | str) -> subprocess.CompletedProcess[str]:
+    """The image's HEALTHCHECK command, with this port file, on this checkout's code (without
+    -I, which would ignore PYTHONPATH and run an installed copy)."""
+    argv = [a for a in healthcheck_argv() if a != "-I"]
+    argv = [sys.executable if argv[0] == "python" else argv[0], *argv[1:-1], str(port_file)]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_healthcheck_asks_the_metrics_address_in_the_port_file(live: dict[str, Any],
+                                                                tmp_path: Path) -> None:
+    worker = live["worker"]
+    ok = run_healthcheck(worker.port_file)
+    assert ok.returncode == 0, ok.stderr
+    assert f"{live['url']}/healthz: 200" in ok.stdout
+    missing = run_healthcheck(tmp_path / "none.json")
+    assert missing.returncode == 1 and "not ready" in missing.stderr
+    # A wildcard bind is asked on loopback; a dead address fails with one line.
+    ports = json.loads(worker.port_file.read_text())
+    port = ports["metrics"].rsplit(":", 1)[1]
+    (tmp_path / "wild.json").write_text(json.dumps({**ports, "metrics": f"0.0.0.0:{port}"}))
+    assert run_healthcheck(tmp_path / "wild.json").returncode == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    (tmp_path / "dead.json").write_text(json.dumps({**ports, "metrics": f"127.0.0.1:{dead}"}))
+    res = run_healthcheck(tmp_path / "dead.json")
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_healthcheck_without_metrics_checks_the_draft_port() -> None:
+    from tests.support.worker_proc import start_worker
+
+    with start_worker("--metrics-listen", "none", "--max-total-slots", "4", "--window", "64",
+                      "--max-slots", "4", "--no-warmup", "--log-level", "WARNING") as w:
+        ok = run_healthcheck(w.port_file)
+        assert ok.returncode == 0, ok.stderr
+        assert "accepts connections" in ok.stdout
+        port_file = w.port_file.read_text()
+        w.stop()
+    stopped = Path(tempfile.mkdtemp()) / "ports.json"
+    stopped.write_text(port_file)
+    try:
+        assert run_healthcheck(stopped).returncode == 1
+    finally:
+        shutil.rmtree(stopped.parent)
 
 
 def test_probe_paths_answer_on_the_real_worker(live: dict[str, Any]) -> None:

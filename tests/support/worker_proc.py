@@ -13,6 +13,7 @@ Public API (kept stable; other test suites depend on it)::
         w.proc          # the subprocess.Popen
         w.pid
         w.log_path      # the worker's stderr+stdout, a file
+        w.port_file     # the --port-file it wrote once ready
         w.log_text()    # its contents so far
         w.stop()        # SIGTERM, wait (timeout 30 s); returns the exit code
         w.kill()        # SIGKILL, wait; returns the exit code
@@ -56,6 +57,7 @@ class WorkerProcess:
         self.pid = proc.pid
         self._tmpdir = tmpdir
         self.log_path = log_path
+        self.port_file = tmpdir / "ports.json"
         listen = ports.get("listen")
         self.host: str | None = None
         self.port: int | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -62,7 +63,7 @@ def test_metrics_move_with_frames(worker: ThreadWorker, drafter: Any) -> None:
     assert value(after, p + "hello_refusals_total", status="IDENTITY") == 1
     assert value(after, p + "request_status_total", status="OK") == 1
     assert value(after, p + "request_status_total", status="NO_WINDOW") == 1
-    assert value(after, p + "rows_received_total") == 10
+    assert value(after, p + "received_rows_total") == 10
     assert value(after, p + "drafted_positions_total") == d.num_spec
     assert value(after, p + "received_bytes_total") > 10 * d.row_bytes
     assert value(after, p + "sent_bytes_total") > 0
@@ -76,6 +77,35 @@ def test_metrics_move_with_frames(worker: ThreadWorker, drafter: Any) -> None:
     assert value(after, p + "batch_entries_sum") == 1  # one entry drafted (the other had none)
     info = [k for k in after if k[0] == p + "info"]
     assert info and dict(info[0][1])["drafter_identity"] == d.drafter_identity.hex()
+
+
+def test_start_time_and_memory_gauges(worker: ThreadWorker) -> None:
+    """Restarts are read from a gauge (not from *_created series, which some setups drop), and
+    the resident set is a gauge; on the CPU there is no device memory to report."""
+    _, text = worker.scrape()
+    s = samples(text)
+    start = value(s, "dspark_worker_start_time_seconds")
+    assert time.time() - 3600 < start <= time.time()
+    assert value(s, "dspark_worker_resident_memory_bytes") > 16 * 2**20
+    assert not [k for k in s if k[0].startswith("dspark_worker_device_memory")]
+
+
+def test_device_memory_gauges_are_read_when_scraped() -> None:
+    from prometheus_client import generate_latest
+
+    from dspark_worker.metrics import Metrics
+
+    m = Metrics(CollectorRegistry())
+    held = {"allocated": 5 << 20, "reserved": 8 << 20, "rss": 100 << 20}
+    m.watch_memory(lambda: held["rss"], (lambda: held["allocated"], lambda: held["reserved"]))
+    s = samples(generate_latest(m.registry).decode())
+    assert value(s, "dspark_worker_device_memory_allocated_bytes") == 5 << 20
+    assert value(s, "dspark_worker_device_memory_reserved_bytes") == 8 << 20
+    assert value(s, "dspark_worker_resident_memory_bytes") == 100 << 20
+    held.update(allocated=6 << 20, rss=101 << 20)
+    s = samples(generate_latest(m.registry).decode())
+    assert value(s, "dspark_worker_device_memory_allocated_bytes") == 6 << 20
+    assert value(s, "dspark_worker_resident_memory_bytes") == 101 << 20
 
 
 def test_healthz_and_other_paths(worker: ThreadWorker) -> None:
@@ -181,7 +211,7 @@ def test_step_families_follow_prometheus_rules() -> None:
     assert value(s, p + "frames_total", op="STEP", status="BAD_FRAME") == 1
     assert value(s, p + "request_status_total", status="OK") == 6
     assert value(s, p + "request_status_total", status="NO_WINDOW") == 2
-    assert value(s, p + "rows_received_total") == 7
+    assert value(s, p + "received_rows_total") == 7
     assert value(s, p + "drafted_positions_total") == 21
     assert m.totals["frames"] == 3 and m.refusals == {"STEP:BAD_FRAME": 1}
 
