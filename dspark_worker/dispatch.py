@@ -18,6 +18,7 @@ What each op does:
 * PING (10): answered at once, with or without a session.
 * STATS (10): the JSON below, with or without a session.
 * RESET (10): the listed slots' windows (count 0: all) are dropped, in order with the STEPs.
+* GOODBYE (6.2, 10): the session, bound to this connection, is dropped with all its slots.
 
 STATS JSON (UTF-8 object; fields are only ever added)::
 
@@ -69,6 +70,7 @@ from protocol.constants import (
     APP_HEADER_SIZE,
     FRAME_STATUS_NAMES,
     IDENTITY_BYTES,
+    OP_GOODBYE,
     OP_HELLO,
     OP_PING,
     OP_RESET,
@@ -220,6 +222,7 @@ class Dispatcher:
             OP_PING: self._ping,
             OP_STATS: self._stats,
             OP_RESET: self._reset,
+            OP_GOODBYE: self._goodbye,
         }
         self._refusal_log = RateLimitedLog(log)
         self._dropped_counts: dict[str, int] = {}
@@ -444,7 +447,7 @@ class Dispatcher:
         if entries:
             self.metrics.batch_entries.observe(entries)
 
-    # -- PING, STATS, RESET (10) ------------------------------------------------------------------
+    # -- PING, STATS, RESET, GOODBYE (10) ------------------------------------------------------
     def _ping(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
         h = fr.header
         if fr.body.nbytes:
@@ -482,6 +485,15 @@ class Dispatcher:
         self.runner.submit(LaneOp("release", s, np.unique(arr) if arr.size else None))
         log.debug("session %#010x RESET %s", s.session_id,
                   "every slot" if not arr.size else f"{arr.size} slots")
+        return self._ok(h)
+
+    def _goodbye(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
+        h = fr.header
+        if fr.body.nbytes:
+            raise BadFrameError(f"GOODBYE carries a {fr.body.nbytes}-byte body; it has none",
+                                field="body_len", value=fr.body.nbytes, limit=0)
+        s = self.table.bound(h.session, conn.conn_id, h.seq)
+        self._drop(s, DropReason.GOODBYE, f"released by its client from {conn.peer}")
         return self._ok(h)
 
     # -- sessions ---------------------------------------------------------------------------------

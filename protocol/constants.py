@@ -20,12 +20,14 @@ OP_STEP: Final = 2
 OP_PING: Final = 3
 OP_STATS: Final = 4
 OP_RESET: Final = 5
+OP_GOODBYE: Final = 6  # release the session and all its slots now (6.2)
 OP_NAMES: Final[dict[int, str]] = {
     OP_HELLO: "HELLO",
     OP_STEP: "STEP",
     OP_PING: "PING",
     OP_STATS: "STATS",
     OP_RESET: "RESET",
+    OP_GOODBYE: "GOODBYE",
 }
 
 # -- section 5: frame statuses --------------------------------------------------------------------
