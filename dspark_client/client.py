@@ -163,6 +163,7 @@ class RemoteDraftClient:
         self.disabled_reason: str | None = None
         self.worker_info: wire.HelloReply | None = None
         self.last_error: str | None = None
+        self.last_refusal: int | None = None  # frame status of the last non-fatal HELLO refusal
         self._endpoints = cfg.all_endpoints
         self._endpoint_index = cfg.home_index(hello.client_name)
         self._endpoint_failures = 0  # failed connects in a row on the current endpoint
@@ -430,6 +431,7 @@ class RemoteDraftClient:
             if h.status in wire.FATAL_FRAME_STATUS:
                 self._disable(f"HELLO refused: {name}{self._differences(rep)}")
                 return None
+            self.last_refusal = h.status
             raise wire.WireError(f"HELLO refused: {name}")
         if rep is None:
             raise wire.WireError(f"HELLO reply body is {len(body)} bytes, not"

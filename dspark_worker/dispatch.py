@@ -32,7 +32,7 @@ STATS JSON (UTF-8 object; fields are only ever added)::
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
                  "max_connections", "max_frame_bytes", "session_idle_s",
                  "partial_frame_timeout_s", "shed_queue_steps"},
-      "connections": int, "queue_steps": int,
+      "threads": int, "connections": int, "queue_steps": int,
       "sessions": [{"session": int, "client_name": str, "sample_mode": "greedy" | "top32",
                     "max_slots": int, "slots_in_use": int, "connected": bool,
                     "age_s": float, "idle_s": float, "steps": int, "rows": int,
