@@ -526,12 +526,11 @@ def _bench(ctx: Ctx, args: argparse.Namespace, out: TextIO, client: RemoteDraftC
                             f"rtt {res.rtt_us / 1e3:.2f} ms")
         else:
             progress.update("warm-up", step + 1, args.warmup)
-        if not res.ok and not client.ready:
-            # The connection was dropped (timeout, transport error, bad reply): connect again
-            # under the same session, or stop here.
-            if not client.connect_now():
-                raise _conn_error(f"connection to {ctx.endpoint} lost after round {step + 1}:"
-                                  f" {client.last_error}")
+        # A failed round that dropped the connection (timeout, transport error, bad reply):
+        # connect again under the same session, or stop here.
+        if not res.ok and not client.ready and not client.connect_now():
+            raise _conn_error(f"connection to {ctx.endpoint} lost after round {step + 1}:"
+                              f" {client.last_error}")
     elapsed = time.perf_counter() - t_start
     measured_s = sum(rounds_us) / 1e6
     failed = sum(failures.values())

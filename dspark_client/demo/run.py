@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-import msgspec
 import numpy as np
 import torch
 

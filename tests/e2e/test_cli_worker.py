@@ -36,7 +36,8 @@ def worker() -> Iterator[WorkerProcess]:
         yield w
 
 
-def cli(worker: WorkerProcess, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def cli(worker: WorkerProcess, *args: str,
+        timeout: float = 240) -> subprocess.CompletedProcess[str]:
     assert worker.endpoint is not None
     return subprocess.run([sys.executable, "-m", "dspark_client.cli", *args,
                            "--endpoint", worker.endpoint.removeprefix("tcp://")],

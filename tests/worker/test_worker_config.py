@@ -47,7 +47,8 @@ def test_file_then_command_line(tmp_path: Path) -> None:
 def test_every_field_settable_from_file(tmp_path: Path) -> None:
     text = "\n".join([
         'checkpoint = "/ckpt"', 'target_checkpoint = "/target"', 'device = "cpu"',
-        'dtype = "float32"', "threads = 2", "window = 64", "max_slots = 32", "max_rows_per_step = 128",
+        'dtype = "float32"', "threads = 2", "window = 64", "max_slots = 32",
+        "max_rows_per_step = 128",
         "max_sessions = 4", "max_total_slots = 64", "max_connections = 8",
         "max_frame_bytes = 1000000", "session_idle_s = 10.5",
         "partial_frame_timeout_s = 2", "shed_queue_steps = 3", "shutdown_timeout_s = 5",
