@@ -10,6 +10,11 @@ Each identity is a SHA-256 over tensors sorted by name; each tensor is fed as::
 tensor the drafter runs with, including ``embed_tokens.weight`` and ``lm_head.weight`` when they
 come from the target checkpoint (they shape every draft, so they belong to its identity). The
 file order, the split into shards and the tensor order inside a file do not change the result.
+
+A drafter folder lacking ``embed_tokens.weight`` or ``lm_head.weight`` with no target that has
+it is refused here, for worker and engine alike (``drafter_refs``). ``dspark_identity.json``
+beside a checkpoint records identities with their inputs, so that an engine's HELLO need not
+hash gigabytes of weights the worker already hashed (``read_identity_file``).
 """
 
 from __future__ import annotations
