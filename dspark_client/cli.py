@@ -612,8 +612,12 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
 
     def hello_for(endpoint: str, sampled: bool, max_slots: int) -> wire.Hello:
         ctx.endpoint = endpoint
-        return discover(ctx, sampled=sampled, max_slots=max_slots,
-                        client_name=f"dspark-demo-{os.getpid()}")
+        hello = discover(ctx, sampled=sampled, max_slots=max_slots,
+                         client_name=f"dspark-demo-{os.getpid()}")
+        if hello.max_slots < max_slots:
+            raise CliError(f"--batch {max_slots} is over the max_slots {hello.max_slots} of the"
+                           f" worker at {endpoint}", EXIT_USAGE)
+        return hello
 
     return run_demo(hello_for, args, out, endpoint=endpoint, note=note,
                     own_worker_if_mismatch=ctx.endpoint_source == "default",

@@ -24,7 +24,7 @@ from protocol import wire
 from tests.support.worker_proc import WorkerProcess, start_worker
 
 ROOT = Path(__file__).resolve().parents[2]
-SLOTS = 64  # the worker's max_slots and max_total_slots: bench --batch SLOTS takes every lane
+SLOTS = 256  # the worker's max_slots and max_total_slots: bench --batch SLOTS takes every lane
 
 
 @pytest.fixture(scope="module")
