@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from client_fakes import FakeWorker, make_hello, make_hello_reply
 
-from dspark_client.cli import build_parser, main
+from dspark_client.cli import build_parser, main, normalise_endpoint
 from dspark_client.client import RemoteDraftClient
 from dspark_client.config import RemoteConfig
 from protocol import wire
@@ -248,3 +248,11 @@ def test_console_script(fw: FakeWorker) -> None:
     out = subprocess.run([*cmd, "--endpoint", fw.endpoint, "ping"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "pong" in out.stdout
+
+
+def test_normalise_endpoint() -> None:
+    assert normalise_endpoint("10.0.0.7:7600") == "tcp://10.0.0.7:7600"
+    assert normalise_endpoint("[::1]:7600") == "tcp://[::1]:7600"
+    assert normalise_endpoint("/run/dspark.sock") == "unix:///run/dspark.sock"
+    assert normalise_endpoint("tcp://h:1") == "tcp://h:1"
+    assert normalise_endpoint("unix:///x") == "unix:///x"
