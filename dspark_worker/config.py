@@ -50,8 +50,9 @@ DEFAULT_SHED_QUEUE_STEPS: Final = 32
 DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
 # Torch intra-op threads of the worker. One: a CPU worker's batches are small, and with more
 # threads every op waits at a barrier for all of them, so one thread descheduled by a busy
-# neighbour process stalls every op (a round trip went from 6.6 ms to 477 ms that way; bench/
-# README.md). On CUDA the device does the work and the host needs no thread pool.
+# neighbour process stalls every op (on 2 shared cores the p50 round trip was 45 ms with one
+# thread, 348 ms with two, and past 2 s with one more busy process: bench/README.md "CPU
+# threads"). On CUDA the device does the work and the host needs no thread pool.
 DEFAULT_THREADS: Final = 1
 # Frames received on one connection and not yet answered before the worker stops reading from
 # it: the contract allows one in flight, so more is a misbehaving client; bounds its memory.
