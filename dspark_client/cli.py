@@ -225,6 +225,14 @@ def hello_from_stats(stats: dict[str, Any], *, sampled: bool, max_slots: int | N
     return hello
 
 
+def _holder(s: dict[str, Any]) -> str:
+    """A session as STATS shows it to a stranger: its label (client names and ids go only to
+    the session's own connection)."""
+    if s.get("client_name"):
+        return str(s["client_name"])
+    return f"session {s['label']}" if s.get("label") else "(unnamed)"
+
+
 def busy_reason(stats: dict[str, Any], wanted_slots: int) -> str | None:
     """Why a HELLO for ``wanted_slots`` would get ST_BUSY now, from STATS (None: it fits):
     which limit, how many sessions and slots are held, and by whom."""
@@ -245,7 +253,7 @@ def busy_reason(stats: dict[str, Any], wanted_slots: int) -> str | None:
     shown = []
     for s in busiest[:4]:
         idle = s.get("idle_s")
-        shown.append(f"{s.get('client_name') or '(unnamed)'} {s.get('max_slots')} slots"
+        shown.append(f"{_holder(s)} {s.get('max_slots')} slots"
                      f" ({s.get('slots_in_use', '?')} in use"
                      + (f", idle {idle:.0f} s" if isinstance(idle, int | float) else "")
                      + ("" if s.get("connected", True) else ", disconnected") + ")")
@@ -358,7 +366,7 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
                  f" {st.get('connections', '?')}")
     for s in sorted(sessions, key=lambda s: -int(s.get("max_slots", 0)))[:8]:
         idle = s.get("idle_s")
-        lines.append(f"    {s.get('client_name') or '(unnamed)':<24} {s.get('max_slots')} slots"
+        lines.append(f"    {_holder(s):<24} {s.get('max_slots')} slots"
                      f" ({s.get('slots_in_use', '?')} in use), {s.get('sample_mode', '?')},"
                      f" idle {_duration(idle)}"
                      + ("" if s.get("connected", True) else ", disconnected"))

@@ -282,7 +282,8 @@ class FakeWorker:
             "markov_identity": r.markov_identity.hex(),
             "limits": {"max_slots": r.max_slots, "max_rows_per_step": r.max_rows_per_step,
                        **self.stats_limits},
-            "sessions": [{"client_name": x.hello.client_name, "max_slots": x.hello.max_slots,
+            # As the real worker shows sessions to a stranger: by label, not name or id.
+            "sessions": [{"label": f"{x.session_id:012x}", "max_slots": x.hello.max_slots,
                           "slots_in_use": len(x.slots), "connected": True, "idle_s": 0.0}
                          for x in self.sessions.values()],
         }).encode()

@@ -97,8 +97,7 @@ def test_ctrl_c_releases_the_session(worker: WorkerProcess) -> None:
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            held = [s for s in stats(worker)["sessions"]
-                    if s["client_name"].startswith("dspark-bench") and s["steps"] > 2]
+            held = [s for s in stats(worker)["sessions"] if s["steps"] > 2]  # bench's own
             if held:
                 break
             assert proc.poll() is None, proc.communicate()
