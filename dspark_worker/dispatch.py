@@ -44,7 +44,7 @@ go only to its own connection)::
                  "sent_bytes", "batches": int,
                  "refusals": {"<OP>:<STATUS>": int},
                  "request_status": {"OK" | "PARTIAL_WINDOW" | ...: int},
-                 "sessions_dropped": {"replaced" | "recreated" | "expired" | ...: int}},
+                 "sessions_dropped": {"replaced" | "recreated" | "expired" | "goodbye" | ...: int}},
       "latency_us": {"decode" | "queue" | "apply" | "draft" | "encode" | "step":
                      {"count": int, "p50_us", "p90_us", "p99_us", "max_us": float}},
       "memory": {"window_bytes": int, "window_used_bytes": int, "window_bytes_per_slot": int,
