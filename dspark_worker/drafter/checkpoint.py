@@ -32,8 +32,9 @@ from protocol.identity import (
     write_identity_file,
 )
 
-from .config import DrafterConfig, load_config
-from .model import DrafterModel, expected_shapes
+from .config import DrafterConfig
+from .families import expected_shapes, load_config
+from .model import DraftModel
 
 log = logging.getLogger("dspark_worker.checkpoint")
 
@@ -171,7 +172,7 @@ def read_tensor(name: str, ref: TensorRef) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype).view(ref.shape)
 
 
-def save_checkpoint(model: DrafterModel, directory: str | Path, *,
+def save_checkpoint(model: DraftModel, directory: str | Path, *,
                     max_shard_bytes: int | None = None,
                     exclude: Iterable[str] = ()) -> list[Path]:
     """Write ``config.json`` and the weights in the DeepSpec layout: one ``model.safetensors``,
