@@ -610,6 +610,9 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
     if ctx.endpoint_source != "default":
         endpoint: str | None = ctx.endpoint
         note = f"using the worker at {ctx.endpoint} ({ctx.endpoint_source})"
+    elif args.shm:  # shared memory needs a Unix socket of a worker on this host: our own
+        endpoint = None
+        note = "starting a worker on loopback, rows through shared memory (--shm)"
     elif _answers(ctx, DEFAULT_ENDPOINT, DEMO_PROBE_TIMEOUT_S):
         endpoint = DEFAULT_ENDPOINT
         note = f"using the worker running at the default endpoint {DEFAULT_ENDPOINT}"
@@ -695,7 +698,8 @@ def _add_global(p: argparse.ArgumentParser, *, sub: bool) -> None:
         return argparse.SUPPRESS if sub else value
 
     p.add_argument("--endpoint", default=d(None),
-                   help="tcp://HOST:PORT, unix:///PATH, or HOST:PORT (TCP) (default:"
+                   help="tcp://HOST:PORT, unix:///PATH, unix+shm:///PATH (rows through shared"
+                        " memory on the same host), or HOST:PORT (TCP) (default:"
                         f" $DSPARK_ENDPOINT, else {DEFAULT_ENDPOINT})")
     p.add_argument("--timeout", type=_positive_float, default=d(2.0), metavar="SECONDS",
                    help="deadline of a connect and of each request (default: 2)")
@@ -766,6 +770,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch", type=_positive_int, default=1,
                       help="sequences at once (default: 1)")
     demo.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    demo.add_argument("--shm", action="store_true",
+                      help="the worker the demo starts serves a Unix socket and the rows go"
+                           " through shared memory (unix+shm://); with --endpoint, give"
+                           " unix+shm:///PATH instead (default: off)")
     demo.add_argument("--target", default=None,
                       help="a reference target folder (default: the one shipped)")
     return p

@@ -40,14 +40,16 @@ DEMO_WORKER_ARGS = ("--window", "1024", "--max-slots", "16", "--max-total-slots"
 
 
 @contextlib.contextmanager
-def spawned_worker(timeout: float = 120.0) -> Iterator[str]:
-    """A worker subprocess on a free loopback port; yields its endpoint."""
+def spawned_worker(timeout: float = 120.0, shm: bool = False) -> Iterator[str]:
+    """A worker subprocess on a free loopback port; yields its endpoint. With ``shm`` it also
+    serves a Unix socket and the endpoint is ``unix+shm://`` (rows through shared memory)."""
     with tempfile.TemporaryDirectory(prefix="dspark-demo-") as tmp:
         port_file = Path(tmp) / "port.json"
         log = open(Path(tmp) / "worker.log", "wb")  # noqa: SIM115 - closed below
         proc = subprocess.Popen(
             [sys.executable, "-m", "dspark_worker", "--listen", "127.0.0.1:0",
-             "--port-file", str(port_file), *DEMO_WORKER_ARGS],
+             "--port-file", str(port_file), *DEMO_WORKER_ARGS,
+             *(("--unix", str(Path(tmp) / "w.sock")) if shm else ())],
             stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
         try:
             deadline = time.monotonic() + timeout
@@ -59,7 +61,7 @@ def spawned_worker(timeout: float = 120.0) -> Iterator[str]:
                 time.sleep(0.05)
             time.sleep(0.05)  # the file is written in one go; let the writer finish
             info = json.loads(port_file.read_text())
-            yield f"tcp://{info['listen']}"
+            yield f"unix+shm://{info['unix']}" if shm else f"tcp://{info['listen']}"
         finally:
             proc.terminate()
             try:
@@ -94,17 +96,18 @@ def run_demo(hello_for: Any, args: Any, out: TextIO, *, endpoint: str | None = N
     prompt = encode_text(args.prompt)
     sampled = args.temperature > 0
     tc = target.config
+    shm = bool(getattr(args, "shm", False))
     with contextlib.ExitStack() as stack:
         if note:
             out.write(note + "\n")
         if endpoint is None:
-            endpoint = stack.enter_context(spawned_worker())
+            endpoint = stack.enter_context(spawned_worker(shm=shm))
         hello = hello_for(endpoint, sampled, max(args.batch, 1))
         if not _matches(hello, tc) and own_worker_if_mismatch:
             out.write(f"the worker at {endpoint} drafts for another model ({hello.n_taps} taps"
                       f" of {hello.hidden}, vocab {hello.vocab_size}): starting one on"
                       " loopback\n")
-            endpoint = stack.enter_context(spawned_worker())
+            endpoint = stack.enter_context(spawned_worker(shm=shm))
             hello = hello_for(endpoint, sampled, max(args.batch, 1))
         if not _matches(hello, tc):
             out.write(f"the worker drafts for {hello.n_taps} taps of {hello.hidden}, vocab"
