@@ -1,50 +1,72 @@
 """``dspark-client``: talk to a draft worker from a shell.
 
-    dspark-client [--endpoint E] [--timeout S] [--auth-secret-file F] COMMAND
+    dspark-client [--endpoint E] [--timeout S] [--auth-secret-file F] [-v] COMMAND [...]
 
-    ping [-c N]          PING, print the round-trip time
-    stats                STATS, print the worker's JSON (pretty)
-    reset [SLOT ...]     HELLO a session of our own, then RESET those slots (all when none)
+    ping [-c N]          PING, print the round-trip time (a min/avg/max summary for N > 1)
+    stats [--json]       STATS: a short summary, or the worker's JSON
+    reset [SLOT ...]     HELLO a session of our own, RESET those slots (all when none), GOODBYE
     bench [...]          drive the worker with synthetic rows, print RTT percentiles and rates
-    demo [...]           speculative decoding with the reference pair (needs torch); starts a
-                         worker on loopback unless an endpoint is given
+    demo [...]           speculative decoding with the reference pair (needs torch)
 
-Commands that HELLO (reset, bench, demo) first learn the worker's geometry: a probe HELLO is
-answered with a HelloReply that carries the worker's own W, N, row_bytes, vocab_size, tap
-geometry, identities and limits, also when it refuses (6.1).
+The global options may also follow the command (``dspark-client ping --endpoint ...``). An
+endpoint is ``tcp://HOST:PORT``, ``unix:///PATH``, or a bare ``HOST:PORT`` (TCP).
 
-Exit status: 0 ok; 1 the worker answered an error (a refusal, a bad reply); 2 usage or
-connection error. Failures print one line on stderr.
+A good citizen on a shared worker: commands that need a session (reset, bench, demo) learn the
+worker's geometry, identities and limits from STATS (section 10), so they never send a HELLO the
+worker refuses (a refusal counts in ``hello_refusals_total`` and may page an operator), and they
+check the worker's capacity before asking. Each releases its session with GOODBYE when it ends:
+normally, on an error, and on Ctrl-C (the first Ctrl-C lets the request in flight finish and
+releases the session; a second one quits at once, and the worker then releases the session
+after its ``session_idle_s``).
+
+Exit status: 0 ok; 1 the worker answered an error (a refusal, a bad reply, BUSY) or more than
+1% of bench's measured rounds failed; 2 usage error; 3 connection error (cannot connect, timed
+out, connection lost); 130 interrupted. Failures print one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
-import secrets
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from typing import Any, Final, TextIO
 
+import msgspec
 import numpy as np
 
 from protocol import wire
-from protocol.auth import sign_hello
 from protocol.messages import pack_reset
 
 from .client import RemoteDraftClient
 from .config import DEFAULT_ENDPOINT, RemoteConfig, RemoteConfigError, load_auth_secret
 from .rounds import DraftRounds, SlotRequest
-from .transport import SocketClient, TransportError, make_client
+from .transport import EndpointError, SocketClient, TransportError, make_client, parse_endpoint
 
-__all__ = ["main"]
+__all__ = ["BENCH_MAX_FAILED_SHARE", "main", "normalise_endpoint"]
 
 EXIT_OK: Final = 0
 EXIT_WORKER: Final = 1
 EXIT_USAGE: Final = 2
+EXIT_CONNECTION: Final = 3
+EXIT_INTERRUPTED: Final = 130
+# bench fails (exit 1) when more than this share of its measured rounds failed: a worker that
+# drops one round in a hundred is degraded, not healthy.
+BENCH_MAX_FAILED_SHARE: Final = 0.01
+# Seconds allowed to each warm-up round of bench: the first round carries every slot's whole
+# window (up to max_rows_per_step rows: 105 MB at 4096 rows of 25,600 bytes) and the worker's
+# first batches of a new shape are slow, so the per-request --timeout would fail it.
+DEFAULT_WARMUP_TIMEOUT_S: Final = 60.0
+# How long the demo waits for a worker at the default endpoint before starting its own.
+DEMO_PROBE_TIMEOUT_S: Final = 0.5
 
 
 class CliError(Exception):
@@ -58,38 +80,92 @@ def _worker_error(message: str) -> CliError:
 
 
 def _conn_error(message: str) -> CliError:
-    return CliError(message, EXIT_USAGE)
+    return CliError(message, EXIT_CONNECTION)
+
+
+def normalise_endpoint(text: str) -> str:
+    """``HOST:PORT`` -> ``tcp://HOST:PORT``; ``/PATH`` -> ``unix:///PATH``; else as given."""
+    text = text.strip()
+    if "://" in text:
+        return text
+    if text.startswith("/"):
+        return f"unix://{text}"
+    return f"tcp://{text}"
+
+
+# -- Ctrl-C ----------------------------------------------------------------------------------
+class Interrupt:
+    """The first SIGINT only sets a flag: the command finishes the request in flight (within
+    its timeout), releases its session and exits 130. A second SIGINT raises
+    KeyboardInterrupt at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, old)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("dspark-client: interrupted; releasing the session (Ctrl-C again to quit now)",
+              file=sys.stderr, flush=True)
+
+    def check(self) -> None:
+        if self.requested:
+            raise CliError("", EXIT_INTERRUPTED)
 
 
 # -- plumbing ------------------------------------------------------------------------------------
 class Ctx:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.endpoint: str = args.endpoint or DEFAULT_ENDPOINT
+        env = os.environ.get("DSPARK_ENDPOINT")
+        if args.endpoint:
+            self.endpoint, self.endpoint_source = normalise_endpoint(args.endpoint), "--endpoint"
+        elif env:
+            self.endpoint, self.endpoint_source = normalise_endpoint(env), "DSPARK_ENDPOINT"
+        else:
+            self.endpoint, self.endpoint_source = DEFAULT_ENDPOINT, "default"
+        try:
+            parse_endpoint(self.endpoint)
+        except EndpointError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
         self.timeout: float = args.timeout
         self.secret: bytes | None = (load_auth_secret(args.auth_secret_file)
                                      if args.auth_secret_file else None)
+        self.interrupt = Interrupt()
         self._seq = 0
 
-    def config(self) -> RemoteConfig:
-        ms = self.timeout * 1000.0
+    def config(self, timeout: float | None = None) -> RemoteConfig:
+        ms = (timeout or self.timeout) * 1000.0
         return RemoteConfig(endpoint=self.endpoint, connect_timeout_ms=ms, timeout_ms=ms,
                             auth_secret=self.secret)
 
-    def connect(self) -> SocketClient:
+    def connect(self, timeout: float | None = None) -> SocketClient:
         conn = make_client(self.endpoint)
         try:
-            conn.connect(self.timeout)
+            conn.connect(timeout or self.timeout)
         except TransportError as exc:
             raise _conn_error(str(exc)) from None
         return conn
 
     def request(self, conn: SocketClient, op: int, body: bytes = b"", session: int = 0,
-                buf: bytearray | None = None) -> tuple[wire.AppHeader, bytes]:
+                buf: bytearray | None = None,
+                timeout: float | None = None) -> tuple[wire.AppHeader, bytes]:
         self._seq += 1
         seq = self._seq
         buf = buf if buf is not None else bytearray(1 << 16)
         try:
-            n = conn.request(wire.frame(op, seq, session, body), buf, self.timeout)
+            n = conn.request(wire.frame(op, seq, session, body), buf, timeout or self.timeout)
         except TransportError as exc:
             raise _conn_error(str(exc)) from None
         try:
@@ -106,9 +182,10 @@ def _status_name(status: int) -> str:
     return wire.FRAME_STATUS_NAMES.get(status, f"status {status}")
 
 
-def _worker_stats(ctx: Ctx) -> dict[str, Any]:
-    with ctx.connect() as conn:
-        h, body = ctx.request(conn, wire.OP_STATS)
+def worker_stats(ctx: Ctx, timeout: float | None = None) -> dict[str, Any]:
+    """The worker's STATS JSON object (section 10)."""
+    with ctx.connect(timeout) as conn:
+        h, body = ctx.request(conn, wire.OP_STATS, timeout=timeout)
     if h.status != wire.ST_OK:
         raise _worker_error(f"STATS refused: {_status_name(h.status)}")
     try:
@@ -120,75 +197,216 @@ def _worker_stats(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def hello_from_stats(stats: dict[str, Any], *, sampled: bool, max_slots: int | None,
+                     client_name: str) -> wire.Hello:
+    """A Hello this worker accepts, from its STATS: geometry, identities and limits. No HELLO
+    is sent to learn them, so nothing is refused."""
+    try:
+        geo, limits = stats["geometry"], stats["limits"]
+        n_taps, hidden = int(geo["n_taps"]), int(geo["hidden"])
+        row_bytes, capabilities = int(geo["row_bytes"]), int(geo["capabilities"])
+        worker_slots, rows = int(limits["max_slots"]), int(limits["max_rows_per_step"])
+        hello = wire.Hello(
+            sample_mode=wire.SAMPLE_TOP32 if sampled else wire.SAMPLE_GREEDY,
+            window=int(geo["window"]), num_spec=int(geo["num_spec"]),
+            max_slots=worker_slots if max_slots is None else min(max_slots, worker_slots),
+            max_rows_per_step=rows, row_bytes=row_bytes, vocab_size=int(geo["vocab_size"]),
+            n_taps=n_taps, hidden=hidden,
+            drafter_identity=bytes.fromhex(stats["drafter_identity"]),
+            markov_identity=bytes.fromhex(stats["markov_identity"]), client_name=client_name)
+    except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
+        raise _worker_error(f"the worker's STATS lacks its geometry or identities ({exc!r}):"
+                            " a worker older than this client?") from None
+    if sampled and not capabilities & wire.CAP_TOP32:
+        raise _worker_error("the worker does not serve sampled (top32) sessions")
+    if n_taps * hidden * 2 != row_bytes:
+        raise _worker_error(f"the worker's STATS names n_taps {n_taps} and hidden {hidden},"
+                            f" which do not make its row_bytes {row_bytes}")
+    return hello
+
+
+def _holder(s: dict[str, Any]) -> str:
+    """A session as STATS shows it to a stranger: its label (client names and ids go only to
+    the session's own connection)."""
+    if s.get("client_name"):
+        return str(s["client_name"])
+    return f"session {s['label']}" if s.get("label") else "(unnamed)"
+
+
+def busy_reason(stats: dict[str, Any], wanted_slots: int) -> str | None:
+    """Why a HELLO for ``wanted_slots`` would get ST_BUSY now, from STATS (None: it fits):
+    which limit, how many sessions and slots are held, and by whom."""
+    limits = stats.get("limits") or {}
+    sessions = [s for s in stats.get("sessions") or [] if isinstance(s, dict)]
+    max_sessions = limits.get("max_sessions")
+    total = limits.get("max_total_slots")
+    reserved = sum(int(s.get("max_slots", 0)) for s in sessions)
+    if isinstance(max_sessions, int) and len(sessions) >= max_sessions:
+        which = (f"it holds {len(sessions)} sessions and its limit (max_sessions) is"
+                 f" {max_sessions}")
+    elif isinstance(total, int) and reserved + wanted_slots > total:
+        which = (f"{wanted_slots} slots asked, {max(total - reserved, 0)} of its"
+                 f" max_total_slots {total} free")
+    else:
+        return None
+    busiest = sorted(sessions, key=lambda s: -int(s.get("max_slots", 0)))
+    shown = []
+    for s in busiest[:4]:
+        idle = s.get("idle_s")
+        shown.append(f"{_holder(s)} {s.get('max_slots')} slots"
+                     f" ({s.get('slots_in_use', '?')} in use"
+                     + (f", idle {idle:.0f} s" if isinstance(idle, int | float) else "")
+                     + ("" if s.get("connected", True) else ", disconnected") + ")")
+    more = f" and {len(busiest) - 4} more" if len(busiest) > 4 else ""
+    idle_s = limits.get("session_idle_s")
+    hint = (f"; an idle session is released after session_idle_s {idle_s:g} s"
+            if isinstance(idle_s, int | float) else "")
+    return (f"worker busy: {which}; {len(sessions)} sessions hold {reserved} slots: "
+            f"{', '.join(shown) or 'none listed'}{more}{hint}")
+
+
 def discover(ctx: Ctx, *, sampled: bool, max_slots: int | None = None,
              client_name: str = "dspark-client") -> wire.Hello:
-    """A Hello that this worker accepts: its own geometry and identities, learnt from a probe
-    HELLO's reply (6.1), which the worker fills with its own values also when it refuses."""
-    probe = wire.Hello(sample_mode=wire.SAMPLE_TOP32 if sampled else wire.SAMPLE_GREEDY,
-                       window=1, num_spec=1, max_slots=1, max_rows_per_step=1, row_bytes=2,
-                       vocab_size=1, n_taps=1, hidden=1, drafter_identity=bytes(32),
-                       markov_identity=bytes(32), client_name=client_name)
-    session = secrets.randbits(32) or 1
-    with ctx.connect() as conn:
-        seq = ctx._seq + 1
-        signed = sign_hello(ctx.secret, session, seq, probe)
-        h, body = ctx.request(conn, wire.OP_HELLO, signed.pack(), session=session)
-    if h.status in (wire.ST_AUTH, wire.ST_VERSION):
-        hint = " (pass --auth-secret-file)" if h.status == wire.ST_AUTH and not ctx.secret else ""
-        raise _worker_error(f"HELLO refused: {_status_name(h.status)}{hint}")
-    if len(body) != wire.HELLO_REP.size:
-        raise _worker_error(f"HELLO answered {_status_name(h.status)} with a {len(body)}-byte"
-                            f" body, not a HelloReply")
-    rep = wire.HelloReply.unpack(body)
-    if sampled and not rep.capabilities & wire.CAP_TOP32:
-        raise _worker_error("the worker does not serve sampled (top32) sessions")
-    n_taps, hidden = rep.n_taps, rep.hidden
-    if n_taps * hidden * 2 != rep.row_bytes:
-        raise _worker_error(f"the worker's HelloReply names n_taps {n_taps} and hidden {hidden},"
-                            f" which do not make its row_bytes {rep.row_bytes}")
-    slots = rep.max_slots if max_slots is None else min(max_slots, rep.max_slots)
-    return wire.Hello(sample_mode=probe.sample_mode, window=rep.window, num_spec=rep.num_spec,
-                      max_slots=slots, max_rows_per_step=rep.max_rows_per_step,
-                      row_bytes=rep.row_bytes, vocab_size=rep.vocab_size, n_taps=n_taps,
-                      hidden=hidden, drafter_identity=rep.drafter_identity,
-                      markov_identity=rep.markov_identity, client_name=client_name)
+    """A Hello the worker accepts and has room for, learnt from STATS (no refused HELLO)."""
+    stats = worker_stats(ctx)
+    hello = hello_from_stats(stats, sampled=sampled, max_slots=max_slots,
+                             client_name=client_name)
+    why = busy_reason(stats, hello.max_slots)
+    if why is not None:
+        raise _worker_error(why)
+    return hello
 
 
-def _open_client(ctx: Ctx, hello: wire.Hello) -> RemoteDraftClient:
-    client = RemoteDraftClient(ctx.config(), hello, background=False)
-    if not client.connect_now():
-        client.close()
-        if client.disabled_reason:
-            raise _worker_error(client.disabled_reason)
-        raise _conn_error(client.last_error or "connect failed")
-    return client
+def open_client(ctx: Ctx, hello: wire.Hello, timeout: float | None = None
+                ) -> RemoteDraftClient:
+    """A connected client (one HELLO, no background thread); its close() says GOODBYE."""
+    client = RemoteDraftClient(ctx.config(timeout), hello, background=False)
+    if client.connect_now():
+        return client
+    client.close()
+    if client.disabled_reason:
+        hint = (" (pass --auth-secret-file)" if "AUTH" in client.disabled_reason
+                and ctx.secret is None else "")
+        raise _worker_error(client.disabled_reason + hint)
+    if client.last_refusal == wire.ST_BUSY:
+        why = None
+        with contextlib.suppress(CliError):
+            why = busy_reason(worker_stats(ctx), hello.max_slots)
+        raise _worker_error(why or "HELLO refused: BUSY (the worker had no room at that"
+                            " moment)")
+    if client.last_refusal is not None:
+        raise _worker_error(f"HELLO refused: {_status_name(client.last_refusal)}")
+    raise _conn_error(client.last_error or "connect failed")
 
 
 # -- commands ------------------------------------------------------------------------------------
 def cmd_ping(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
+    rtts: list[float] = []
     with ctx.connect() as conn:
-        for _ in range(args.count):
+        for i in range(args.count):
+            if i:
+                ctx.interrupt.check()
+                time.sleep(args.interval)
             t0 = time.perf_counter()
             h, _body = ctx.request(conn, wire.OP_PING)
             rtt_ms = (time.perf_counter() - t0) * 1e3
             if h.status != wire.ST_OK:
                 raise _worker_error(f"PING refused: {_status_name(h.status)}")
-            print(f"pong from {ctx.endpoint}: {rtt_ms:.3f} ms", file=out)
+            rtts.append(rtt_ms)
+            print(f"pong from {ctx.endpoint}: {rtt_ms:.3f} ms", file=out, flush=True)
+    if len(rtts) > 1:
+        a = np.asarray(rtts)
+        print(f"--- {ctx.endpoint}: {len(rtts)} pings, rtt min/avg/max/mdev ="
+              f" {a.min():.3f}/{a.mean():.3f}/{a.max():.3f}/{a.std():.3f} ms", file=out)
     return EXIT_OK
 
 
+def _bytes(n: Any) -> str:
+    if not isinstance(n, int | float):
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _duration(s: Any) -> str:
+    if not isinstance(s, int | float):
+        return "-"
+    s = int(s)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def stats_summary(st: dict[str, Any], endpoint: str) -> str:
+    """A few lines for a human: who, what it serves, who holds it, how it is doing."""
+    geo, limits = st.get("geometry") or {}, st.get("limits") or {}
+    sessions = [s for s in st.get("sessions") or [] if isinstance(s, dict)]
+    totals, mem = st.get("totals") or {}, st.get("memory") or {}
+    state = ("draining" if st.get("draining") else "ready" if st.get("ready") else "not ready")
+    caps = int(geo.get("capabilities") or 0)
+    modes = "greedy" + (", top32" if caps & wire.CAP_TOP32 else "")
+    lines = [
+        f"worker {st.get('worker_name', '?')} at {endpoint}: {state}, up"
+        f" {_duration(st.get('uptime_s'))}, version {st.get('version', '?')}, contract"
+        f" {st.get('contract_version', '?')}",
+        f"  serves W {geo.get('window', '?')}, N {geo.get('num_spec', '?')}, row_bytes"
+        f" {geo.get('row_bytes', '?')} ({geo.get('n_taps', '?')} taps x"
+        f" {geo.get('hidden', '?')}), vocab {geo.get('vocab_size', '?')}, {modes};"
+        f" {st.get('device', '?')} {st.get('dtype', '?')}",
+        f"  drafter {str(st.get('drafter_identity', '?'))[:16]}..  markov"
+        f" {str(st.get('markov_identity', '?'))[:16]}..",
+    ]
+    reserved = sum(int(s.get("max_slots", 0)) for s in sessions)
+    lines.append(f"  sessions {len(sessions)}/{limits.get('max_sessions', '?')}, slots reserved"
+                 f" {reserved}/{limits.get('max_total_slots', '?')}, connections"
+                 f" {st.get('connections', '?')}")
+    for s in sorted(sessions, key=lambda s: -int(s.get("max_slots", 0)))[:8]:
+        idle = s.get("idle_s")
+        lines.append(f"    {_holder(s):<24} {s.get('max_slots')} slots"
+                     f" ({s.get('slots_in_use', '?')} in use), {s.get('sample_mode', '?')},"
+                     f" idle {_duration(idle)}"
+                     + ("" if s.get("connected", True) else ", disconnected"))
+    if len(sessions) > 8:
+        lines.append(f"    ... and {len(sessions) - 8} more (--json lists them)")
+    refusals = totals.get("refusals") or {}
+    ref = ", ".join(f"{k} {v}" for k, v in sorted(refusals.items())) or "none"
+    lines.append(f"  totals: {totals.get('steps', 0)} steps, {totals.get('rows', 0)} rows,"
+                 f" {totals.get('drafted_positions', 0)} drafted positions; refusals: {ref}")
+    step = (st.get("latency_us") or {}).get("step") or {}
+    if step.get("count"):
+        lines.append(f"  step latency p50 {step.get('p50_us', 0) / 1e3:.2f} ms, p99"
+                     f" {step.get('p99_us', 0) / 1e3:.2f} ms over the last {step['count']}")
+    if mem:
+        lines.append(f"  memory: rss {_bytes(mem.get('rss_bytes'))}, windows"
+                     f" {_bytes(mem.get('window_used_bytes'))} used of"
+                     f" {_bytes(mem.get('window_bytes'))}, receive buffers"
+                     f" {_bytes(mem.get('receive_buffers_bytes'))}"
+                     + (f", device {_bytes(mem['device_allocated_bytes'])}"
+                        if mem.get("device_allocated_bytes") is not None else ""))
+    return "\n".join(lines)
+
+
 def cmd_stats(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
-    print(json.dumps(_worker_stats(ctx), indent=2, sort_keys=True), file=out)
+    st = worker_stats(ctx)
+    if args.json:
+        print(json.dumps(st, indent=2, sort_keys=True), file=out)
+    else:
+        print(stats_summary(st, ctx.endpoint), file=out)
     return EXIT_OK
 
 
 def cmd_reset(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
-    hello = discover(ctx, sampled=False, max_slots=max([*args.slots, 0]) + 1)
+    hello = discover(ctx, sampled=False, max_slots=max([*args.slots, 0]) + 1,
+                     client_name=f"dspark-reset-{os.getpid()}")
     for s in args.slots:
         if s >= hello.max_slots:
             raise CliError(f"slot {s} is not below the worker's max_slots {hello.max_slots}",
                            EXIT_USAGE)
-    client = _open_client(ctx, hello)
+    client = open_client(ctx, hello)
     try:
         try:
             status, _ = client.simple_request(wire.OP_RESET, pack_reset(list(args.slots)))
@@ -204,31 +422,41 @@ def cmd_reset(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
 
 
 class Progress:
-    """A one-line progress bar on stderr, redrawn at most 10 times a second."""
+    """A one-line progress bar on stderr, redrawn at most 10 times a second; only on a
+    terminal (a log file or a pipe gets no carriage-return frames)."""
 
-    def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
-        self.total, self.stream, self.enabled = total, stream, enabled
+    def __init__(self, stream: TextIO, enabled: bool) -> None:
+        self.stream = stream
+        self.enabled = enabled and _isatty(stream)
         self._last = 0.0
 
-    def update(self, done: int, note: str = "") -> None:
-        if not self.enabled:
+    def update(self, label: str, done: int, total: int, note: str = "") -> None:
+        if not self.enabled or total <= 0:
             return
         now = time.monotonic()
-        if done < self.total and now - self._last < 0.1:
+        if done < total and now - self._last < 0.1:
             return
         self._last = now
         width = 30
-        fill = int(width * done / max(self.total, 1))
-        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} {note}")
-        if done >= self.total:
+        fill = int(width * done / total)
+        self.stream.write(f"\r{label:<8} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}"
+                          f" {note}\x1b[K")
+        if done >= total:
             self.stream.write("\n")
         self.stream.flush()
 
 
-def _percentiles(values: Sequence[float]) -> dict[str, float]:
-    if not values:
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _percentiles_ms(values_us: Sequence[float]) -> dict[str, float]:
+    if not values_us:
         return {}
-    a = np.asarray(values, dtype=np.float64)
+    a = np.asarray(values_us, dtype=np.float64) / 1e3
     qs = np.percentile(a, [50, 90, 99])
     return {"p50": float(qs[0]), "p90": float(qs[1]), "p99": float(qs[2]),
             "max": float(a.max()), "mean": float(a.mean())}
@@ -240,84 +468,111 @@ def cmd_bench(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
     if hello.max_slots < args.batch:
         raise CliError(f"--batch {args.batch} is over the worker's max_slots"
                        f" {hello.max_slots}", EXIT_USAGE)
-    client = _open_client(ctx, hello)
+    warm_timeout = max(args.warmup_timeout, ctx.timeout)
+    client = open_client(ctx, hello, timeout=warm_timeout)
+    try:
+        return _bench(ctx, args, out, client, hello, warm_timeout)
+    finally:
+        client.close()
+
+
+def _bench(ctx: Ctx, args: argparse.Namespace, out: TextIO, client: RemoteDraftClient,
+           hello: wire.Hello, warm_timeout: float) -> int:
     rounds = DraftRounds(client)
     rng = np.random.default_rng(args.seed)
     W, N, rb = hello.window, hello.num_spec, hello.row_bytes
     B = args.batch
     accept = min(args.accept if args.accept is not None else max(N // 2, 0), N)
+    top_k = wire.MAX_TOP_K if args.sampled else 0
     # Synthetic rows: a pool of random bf16 bit patterns (finite values, as taps would be).
     pool = _synthetic_rows(rng, max(W, accept + 1) * 2, rb)
     prompt = max(W, 1)
     anchor = [prompt] * B
-    gens = [1] * B
     rtts: list[float] = []
     rounds_us: list[float] = []
-    failed = drafted = rows = 0
-    progress = Progress(args.warmup + args.steps, sys.stderr,
-                        enabled=not args.no_progress)
+    failures: Counter[str] = Counter()
+    drafted = rows = 0
+    progress = Progress(sys.stderr, enabled=not args.no_progress)
     t_start = time.perf_counter()
-    try:
-        for step in range(args.warmup + args.steps):
-            reqs = []
-            for s in range(B):
-                n_new = anchor[s] if step == 0 else accept + 1
-                if step > 0:
-                    anchor[s] += n_new
-                at = (anchor[s] * 7 + s) % (pool.shape[0] - n_new)
-                reqs.append(SlotRequest(
-                    slot=s, generation=gens[s], anchor_pos=anchor[s],
-                    anchor_token=int(rng.integers(hello.vocab_size)),
-                    rows=pool[at:at + n_new] if n_new <= pool.shape[0] else None, n_out=N,
-                    seed=s + 1 if args.sampled else 0, top_k=8 if args.sampled else 0,
-                    temperature=1.0 if args.sampled else 0.0))
-            t0 = time.perf_counter()
-            res = rounds.run(reqs)
-            dt_us = (time.perf_counter() - t0) * 1e6
-            if step >= args.warmup:
-                rounds_us.append(dt_us)
-                if res.ok:
-                    rtts.append(res.rtt_us)
-                    drafted += int(res.num_drafted.sum())
-                    rows += res.rows_sent
-                else:
-                    failed += 1
-            elif step == 0 and not res.ok:
-                raise _worker_error(f"first round failed: {res.reason}"
-                                    f" ({client.disabled_reason or client.last_error})")
-            progress.update(step + 1, f"rtt {res.rtt_us / 1e3:.2f} ms")
-            if client.disabled:
-                raise _worker_error(client.disabled_reason or "disabled")
-    finally:
-        client.close()
+    total = args.warmup + args.steps
+    for step in range(total):
+        ctx.interrupt.check()
+        if step == args.warmup:  # measured rounds get the per-request deadline
+            client.cfg = msgspec.structs.replace(client.cfg, timeout_ms=ctx.timeout * 1e3)
+        reqs = []
+        for s in range(B):
+            n_new = anchor[s] if step == 0 else accept + 1
+            if step > 0:
+                anchor[s] += n_new
+            at = (anchor[s] * 7 + s) % (pool.shape[0] - n_new)
+            reqs.append(SlotRequest(
+                slot=s, generation=1, anchor_pos=anchor[s],
+                anchor_token=int(rng.integers(hello.vocab_size)),
+                rows=pool[at:at + n_new] if n_new <= pool.shape[0] else None, n_out=N,
+                seed=s + 1 if args.sampled else 0, top_k=top_k,
+                temperature=1.0 if args.sampled else 0.0))
+        t0 = time.perf_counter()
+        res = rounds.run(reqs)
+        dt_us = (time.perf_counter() - t0) * 1e6
+        if client.disabled:
+            raise _worker_error(client.disabled_reason or "disabled")
+        measured = step >= args.warmup
+        if measured:
+            rounds_us.append(dt_us)
+            if res.ok:
+                rtts.append(res.rtt_us)
+                drafted += int(res.num_drafted.sum())
+                rows += res.rows_sent
+            else:
+                failures[res.reason or "failed"] += 1
+        elif step == 0 and not res.ok:
+            raise _worker_error(f"first round failed: {res.reason}"
+                                f" ({client.last_error or 'no reply'}; it had"
+                                f" {warm_timeout:g} s, see --warmup-timeout)")
+        if measured:
+            progress.update("measured", step + 1 - args.warmup, args.steps,
+                            f"rtt {res.rtt_us / 1e3:.2f} ms")
+        else:
+            progress.update("warm-up", step + 1, args.warmup)
+        # A failed round that dropped the connection (timeout, transport error, bad reply):
+        # connect again under the same session, or stop here.
+        if not res.ok and not client.ready and not client.connect_now():
+            raise _conn_error(f"connection to {ctx.endpoint} lost after round {step + 1}:"
+                              f" {client.last_error}")
     elapsed = time.perf_counter() - t_start
-    measured = sum(rounds_us) / 1e6
+    measured_s = sum(rounds_us) / 1e6
+    failed = sum(failures.values())
     result = {
-        "endpoint": ctx.endpoint, "batch": B, "steps": args.steps, "num_spec": N,
-        "window": W, "row_bytes": rb, "sampled": bool(args.sampled),
-        "accepted_rows_per_slot": accept + 1, "failed_rounds": failed,
-        "rtt_us": _percentiles(rtts), "round_us": _percentiles(rounds_us),
-        "rounds_per_s": args.steps / measured if measured else math.nan,
-        "rows_per_s": rows / measured if measured else math.nan,
-        "drafted_positions_per_s": drafted / measured if measured else math.nan,
+        "endpoint": ctx.endpoint, "batch": B, "steps": args.steps, "warmup": args.warmup,
+        "num_spec": N, "window": W, "row_bytes": rb, "sampled": bool(args.sampled),
+        "top_k": top_k, "accepted_rows_per_slot": accept + 1, "failed_rounds": failed,
+        "failed_reasons": dict(failures),
+        "rtt_ms": _percentiles_ms(rtts), "round_ms": _percentiles_ms(rounds_us),
+        "rounds_per_s": args.steps / measured_s if measured_s else math.nan,
+        "rows_per_s": rows / measured_s if measured_s else math.nan,
+        "drafted_positions_per_s": drafted / measured_s if measured_s else math.nan,
         "elapsed_s": elapsed,
     }
     if args.json:
         print(json.dumps(result, indent=2), file=out)
     else:
-        r, t = result["rtt_us"], result["round_us"]
+        r, t = result["rtt_ms"], result["round_ms"]
         print(f"{ctx.endpoint}: batch {B}, N {N}, W {W}, row_bytes {rb},"
-              f" {'sampled' if args.sampled else 'greedy'}, {args.steps} rounds"
-              f" ({failed} failed)", file=out)
-        if r:
-            print(f"  rtt    p50 {r['p50']:9.1f} us  p90 {r['p90']:9.1f} us"
-                  f"  p99 {r['p99']:9.1f} us  max {r['max']:9.1f} us", file=out)
-        if t:
-            print(f"  round  p50 {t['p50']:9.1f} us  p90 {t['p90']:9.1f} us"
-                  f"  p99 {t['p99']:9.1f} us  max {t['max']:9.1f} us", file=out)
+              f" {'sampled top_k ' + str(top_k) if args.sampled else 'greedy'},"
+              f" {args.steps} measured rounds after {args.warmup} warm-up ({failed} failed)",
+              file=out)
+        for name, d in (("rtt", r), ("round", t)):
+            if d:
+                print(f"  {name:<6} p50 {d['p50']:8.3f} ms  p90 {d['p90']:8.3f} ms"
+                      f"  p99 {d['p99']:8.3f} ms  max {d['max']:8.3f} ms", file=out)
         print(f"  {result['rounds_per_s']:.1f} rounds/s, {result['rows_per_s']:.0f} rows/s,"
               f" {result['drafted_positions_per_s']:.0f} drafted positions/s", file=out)
-    return EXIT_WORKER if failed == args.steps and args.steps else EXIT_OK
+    if args.steps and failed / args.steps > BENCH_MAX_FAILED_SHARE:
+        reasons = ", ".join(f"{k} {v}" for k, v in failures.most_common())
+        raise _worker_error(f"{failed} of {args.steps} measured rounds failed"
+                            f" ({100 * failed / args.steps:.1f}%, over the"
+                            f" {BENCH_MAX_FAILED_SHARE:.0%} allowed): {reasons}")
+    return EXIT_OK
 
 
 def _synthetic_rows(rng: np.random.Generator, n: int, row_bytes: int) -> np.ndarray:
@@ -327,6 +582,61 @@ def _synthetic_rows(rng: np.random.Generator, n: int, row_bytes: int) -> np.ndar
     out = np.zeros((n, row_bytes), np.uint8)
     out[:, :bf16.shape[1] * 2] = bf16.view(np.uint8).reshape(n, -1)
     return out
+
+
+def _answers(ctx: Ctx, endpoint: str, timeout: float) -> bool:
+    """Whether a worker answers PING at ``endpoint`` within ``timeout``."""
+    try:
+        conn = make_client(endpoint)
+        with conn:
+            conn.connect(timeout)
+            buf = bytearray(64)
+            n = conn.request(wire.frame(wire.OP_PING, 1, 0), buf, timeout)
+            h, _ = wire.split_frame(memoryview(buf)[:n])
+            return h.op == wire.OP_PING and h.status == wire.ST_OK
+    except (TransportError, wire.WireError, OSError):
+        return False
+
+
+def cmd_demo(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        from .demo.run import DEFAULT_PROMPT, run_demo
+    except ImportError as exc:  # torch is optional for the client
+        raise CliError(f"the demo needs torch: {exc}", EXIT_USAGE) from None
+    if args.prompt is None:
+        args.prompt = DEFAULT_PROMPT
+    if args.temperature < 0:
+        raise CliError(f"--temperature {args.temperature} is negative", EXIT_USAGE)
+    if ctx.endpoint_source != "default":
+        endpoint: str | None = ctx.endpoint
+        note = f"using the worker at {ctx.endpoint} ({ctx.endpoint_source})"
+    elif args.shm:  # shared memory needs a Unix socket of a worker on this host: our own
+        endpoint = None
+        note = "starting a worker on loopback, rows through shared memory (--shm)"
+    elif _answers(ctx, DEFAULT_ENDPOINT, DEMO_PROBE_TIMEOUT_S):
+        endpoint = DEFAULT_ENDPOINT
+        note = f"using the worker running at the default endpoint {DEFAULT_ENDPOINT}"
+    else:
+        endpoint = None
+        note = (f"no worker answers at {DEFAULT_ENDPOINT} (nor --endpoint, DSPARK_ENDPOINT):"
+                " starting one on loopback")
+
+    def hello_for(endpoint: str, sampled: bool, max_slots: int) -> wire.Hello:
+        ctx.endpoint = endpoint
+        hello = discover(ctx, sampled=sampled, max_slots=max_slots,
+                         client_name=f"dspark-demo-{os.getpid()}")
+        if hello.max_slots < max_slots:
+            raise CliError(f"--batch {max_slots} is over the max_slots {hello.max_slots} of the"
+                           f" worker at {endpoint}", EXIT_USAGE)
+        return hello
+
+    return run_demo(hello_for, args, out, endpoint=endpoint, note=note,
+                    own_worker_if_mismatch=ctx.endpoint_source == "default",
+                    interrupt=ctx.interrupt.check)
+
+
+COMMANDS = {"ping": cmd_ping, "stats": cmd_stats, "reset": cmd_reset, "bench": cmd_bench,
+            "demo": cmd_demo}
 
 
 # -- entry ---------------------------------------------------------------------------------------
@@ -340,6 +650,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -347,6 +667,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
     return value
 
 
@@ -360,91 +690,128 @@ def _slot(text: str) -> int:
     return value
 
 
+def _add_global(p: argparse.ArgumentParser, *, sub: bool) -> None:
+    """The global options; on a subcommand they default to SUPPRESS, so that given after the
+    command they override, and not given they leave the values before the command alone."""
+
+    def d(value: Any) -> Any:
+        return argparse.SUPPRESS if sub else value
+
+    p.add_argument("--endpoint", default=d(None),
+                   help="tcp://HOST:PORT, unix:///PATH, unix+shm:///PATH (rows through shared"
+                        " memory on the same host), or HOST:PORT (TCP) (default:"
+                        f" $DSPARK_ENDPOINT, else {DEFAULT_ENDPOINT})")
+    p.add_argument("--timeout", type=_positive_float, default=d(2.0), metavar="SECONDS",
+                   help="deadline of a connect and of each request (default: 2)")
+    p.add_argument("--auth-secret-file", default=d(None), metavar="PATH",
+                   help="file holding the shared secret that signs HELLOs, section 11"
+                        " (default: none)")
+    p.add_argument("-v", "--verbose", action="store_true", default=d(False),
+                   help="log the client's connection events on stderr (default: off)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dspark-client",
-                                description="Talk to a DSpark draft worker.")
-    p.add_argument("--endpoint", default=os.environ.get("DSPARK_ENDPOINT"),
-                   help="tcp://HOST:PORT, unix:///PATH or unix+shm:///PATH (rows through"
-                        " shared memory on the same host) (default: $DSPARK_ENDPOINT or"
-                        f" {DEFAULT_ENDPOINT})")
-    p.add_argument("--timeout", type=_positive_float, default=2.0,
-                   help="seconds for a connect and for each request (default 2)")
-    p.add_argument("--auth-secret-file", default=None,
-                   help="file holding the shared secret that signs HELLOs (section 11)")
+    p = argparse.ArgumentParser(
+        prog="dspark-client", description="Talk to a DSpark draft worker.",
+        epilog="Exit status: 0 ok; 1 the worker answered an error (or bench: more than"
+               f" {BENCH_MAX_FAILED_SHARE:.0%} of measured rounds failed); 2 usage error;"
+               f" 3 connection error; {EXIT_INTERRUPTED} interrupted. Global options may also"
+               " follow the command.")
+    _add_global(p, sub=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    ping = sub.add_parser("ping", help="PING the worker, print the round trip")
-    ping.add_argument("-c", "--count", type=_positive_int, default=1)
-    sub.add_parser("stats", help="print the worker's STATS JSON")
-    reset = sub.add_parser("reset", help="RESET slots (all when none) of a session of our own")
-    reset.add_argument("slots", nargs="*", type=_slot, metavar="SLOT")
-    bench = sub.add_parser("bench", help="drive the worker with synthetic rows")
-    bench.add_argument("--batch", type=_positive_int, default=8, help="slots per round")
-    bench.add_argument("--steps", type=_positive_int, default=200, help="measured rounds")
-    bench.add_argument("--warmup", type=int, default=10, help="unmeasured rounds first")
-    bench.add_argument("--accept", type=int, default=None,
-                       help="accepted drafts per slot per round (default N/2)")
-    bench.add_argument("--sampled", action="store_true", help="a top32 sampled session")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--json", action="store_true", help="print the result as JSON")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    demo = sub.add_parser("demo", help="speculative decoding with the reference target and"
-                                       " pair drafter (torch); starts a worker if no endpoint")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=text, description=text)
+        _add_global(c, sub=True)
+        return c
+
+    ping = command("ping", "PING the worker, print the round trip")
+    ping.add_argument("-c", "--count", type=_positive_int, default=1,
+                      help="PINGs to send; more than one ends with min/avg/max (default: 1)")
+    ping.add_argument("-i", "--interval", type=_non_negative_float, default=0.2,
+                      metavar="SECONDS", help="pause between PINGs (default: 0.2)")
+    stats = command("stats", "print a summary of the worker's STATS")
+    stats.add_argument("--json", action="store_true",
+                       help="print the whole STATS JSON instead (default: the summary)")
+    reset = command("reset", "RESET slots (all when none) of a session of our own")
+    reset.add_argument("slots", nargs="*", type=_slot, metavar="SLOT",
+                       help="slots to reset (default: every slot)")
+    bench = command("bench", "drive the worker with synthetic rows; exits 1 when more than"
+                             f" {BENCH_MAX_FAILED_SHARE:.0%} of the measured rounds fail")
+    bench.add_argument("--batch", type=_positive_int, default=8,
+                       help="slots per round (default: 8)")
+    bench.add_argument("--steps", type=_positive_int, default=200,
+                       help="measured rounds (default: 200)")
+    bench.add_argument("--warmup", type=_non_negative_int, default=10,
+                       help="unmeasured rounds first; the first fills every slot's window"
+                            " (default: 10)")
+    bench.add_argument("--warmup-timeout", type=_positive_float,
+                       default=DEFAULT_WARMUP_TIMEOUT_S, metavar="SECONDS",
+                       help="deadline of each warm-up round; measured rounds use --timeout"
+                            f" (default: {DEFAULT_WARMUP_TIMEOUT_S:g})")
+    bench.add_argument("--accept", type=_non_negative_int, default=None,
+                       help="accepted drafts per slot per round (default: N/2)")
+    bench.add_argument("--sampled", action="store_true",
+                       help=f"a top32 sampled session, top_k {wire.MAX_TOP_K} as a sampled"
+                            " engine sends (default: greedy)")
+    bench.add_argument("--seed", type=int, default=0,
+                       help="seed of the synthetic rows and tokens (default: 0)")
+    bench.add_argument("--json", action="store_true",
+                       help="print the result as JSON (default: text)")
+    bench.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (default: a bar on stderr when it is a terminal)")
+    demo = command("demo", "speculative decoding with the reference target and pair drafter"
+                           " (torch)")
     demo.add_argument("--prompt", default=None, help="text to continue (default: Python code)")
-    demo.add_argument("--max-new-tokens", type=_positive_int, default=200)
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=200,
+                      help="tokens to generate per sequence (default: 200)")
     demo.add_argument("--temperature", type=float, default=0.0,
-                      help="0: greedy; > 0: sampled with exact rejection sampling")
-    demo.add_argument("--batch", type=_positive_int, default=1, help="sequences at once")
-    demo.add_argument("--seed", type=int, default=0)
+                      help="0: greedy; > 0: sampled with exact rejection sampling (default: 0)")
+    demo.add_argument("--batch", type=_positive_int, default=1,
+                      help="sequences at once (default: 1)")
+    demo.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     demo.add_argument("--shm", action="store_true",
                       help="the worker the demo starts serves a Unix socket and the rows go"
                            " through shared memory (unix+shm://); with --endpoint, give"
-                           " unix+shm:///PATH instead")
+                           " unix+shm:///PATH instead (default: off)")
     demo.add_argument("--target", default=None,
                       help="a reference target folder (default: the one shipped)")
     return p
-
-
-def cmd_demo(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
-    try:
-        from .demo.run import DEFAULT_PROMPT, run_demo
-    except ImportError as exc:  # torch is optional for the client
-        raise _conn_error(f"the demo needs torch: {exc}") from None
-    if args.prompt is None:
-        args.prompt = DEFAULT_PROMPT
-    if args.temperature < 0:
-        raise _conn_error(f"--temperature {args.temperature} is negative")
-
-    def hello_for(endpoint: str, sampled: bool) -> wire.Hello:
-        ctx.endpoint = endpoint
-        return discover(ctx, sampled=sampled, client_name="dspark-demo")
-
-    return run_demo(hello_for, args, out)
-
-
-COMMANDS = {"ping": cmd_ping, "stats": cmd_stats, "reset": cmd_reset, "bench": cmd_bench,
-            "demo": cmd_demo}
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits 2
     out = out if out is not None else sys.stdout
-    if args.command == "bench" and (args.warmup < 0 or (args.accept is not None
-                                                        and args.accept < 0)):
-        print("dspark-client: error: --warmup and --accept must be >= 0", file=sys.stderr)
-        return EXIT_USAGE
+    # The client logs connection events (for engines); here the one error line says it all.
+    client_log = logging.getLogger("dspark_client")
+    level = client_log.level
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        client_log.setLevel(logging.INFO)
+    else:
+        client_log.setLevel(logging.CRITICAL)
+    ctx: Ctx | None = None
     try:
         ctx = Ctx(args)
-        return COMMANDS[args.command](ctx, args, out)
+        with ctx.interrupt.installed():
+            return COMMANDS[args.command](ctx, args, out)
     except CliError as exc:
-        print(f"dspark-client: {exc}", file=sys.stderr)
+        if str(exc):
+            print(f"dspark-client: {exc}", file=sys.stderr)
         return exc.code
-    except (RemoteConfigError, TransportError) as exc:
+    except RemoteConfigError as exc:
         print(f"dspark-client: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except TransportError as exc:
+        print(f"dspark-client: {exc}", file=sys.stderr)
+        return EXIT_CONNECTION
     except KeyboardInterrupt:
         print("dspark-client: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    finally:
+        client_log.setLevel(level)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -85,6 +85,9 @@ log = logging.getLogger("dspark_client")
 CONNECT_FAIL_LOG_S: Final = 60.0
 # Reply buffer of a request other than STEP (PING, RESET, STATS JSON); it grows when needed.
 AUX_REPLY_BYTES: Final = 1 << 16
+# close() waits this long at most for the worker to answer GOODBYE: the worker frees the
+# session's slots at once instead of after its idle time, but closing never hangs on it.
+GOODBYE_TIMEOUT_S: Final = 0.5
 # The HELLO reply buffer: a HelloReply fits many times over.
 HELLO_REPLY_BYTES: Final = 1 << 12
 _ENTRIES_AT: Final = wire.APP_HEADER_SIZE + STEP_HEADER_SIZE  # entries' offset in a STEP frame
@@ -191,6 +194,7 @@ class RemoteDraftClient:
         self.disabled_reason: str | None = None
         self.worker_info: wire.HelloReply | None = None
         self.last_error: str | None = None
+        self.last_refusal: int | None = None  # frame status of the last non-fatal HELLO refusal
         # The worker set and where in it to be; only the connect thread touches these (the
         # engine thread hands a drained endpoint over through _drained).
         self._discovery = Discovery(cfg.all_endpoints, resolver)
@@ -304,7 +308,10 @@ class RemoteDraftClient:
         return True
 
     def close(self) -> None:
-        """Stop the connect thread and close the connection. Idempotent."""
+        """Say GOODBYE (best effort: the worker frees this session's slots now rather than
+        after its idle time), stop the connect thread and close the connection. Idempotent."""
+        if self._pid == os.getpid():
+            self._goodbye()
         self._ready = False
         self._shared.ready_event.clear()
         self.stats.set("connected", False)
@@ -314,6 +321,31 @@ class RemoteDraftClient:
                 self._finalizer()
         else:
             self._shared.stop = True
+
+    def _goodbye(self) -> None:
+        """One GOODBYE on the ready connection, waiting at most GOODBYE_TIMEOUT_S; any failure
+        is ignored (the worker still drops the session after session_idle_s)."""
+        with self._lock:
+            conn = self._shared.conn if self._ready and self.disabled_reason is None else None
+            session = self.session
+        if conn is None:
+            return
+        timeout = min(GOODBYE_TIMEOUT_S, self.cfg.timeout_ms / 1000.0)
+        if not self._io_lock.acquire(timeout=timeout):
+            return
+        try:
+            seq = self._next_seq()
+            n = conn.request(wire.goodbye_frame(seq, session), self._aux, timeout)
+            h, _ = wire.split_frame(memoryview(self._aux)[:n])
+            if h.status == wire.ST_OK:
+                self.stats.inc("goodbyes")
+            else:
+                log.debug("remote DSpark: GOODBYE answered %s",
+                          wire.FRAME_STATUS_NAMES.get(h.status, h.status))
+        except (TransportError, wire.WireError, OSError) as e:
+            log.debug("remote DSpark: GOODBYE failed: %s", e)
+        finally:
+            self._io_lock.release()
 
     def __enter__(self) -> RemoteDraftClient:
         return self
@@ -486,6 +518,7 @@ class RemoteDraftClient:
             if h.status in wire.FATAL_FRAME_STATUS:
                 self._disable(f"HELLO refused: {name}{self._differences(rep)}")
                 return None
+            self.last_refusal = h.status
             if h.status == wire.ST_DRAINING:
                 raise _WorkerDraining("HELLO refused: DRAINING")
             raise wire.WireError(f"HELLO refused: {name}")

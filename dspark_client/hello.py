@@ -8,7 +8,9 @@ config is the target's text config, so its ``hidden_size`` is the target's) for 
 vocabulary and the tap geometry, and its safetensors files for the identities, so that a worker
 serving anything else refuses the HELLO (``ST_IDENTITY`` / ``ST_GEOMETRY``) instead of drafting
 for the wrong model. No framework is loaded: the identities come from the files' raw bytes
-(``protocol.identity``).
+(``protocol.identity``), or from the ``dspark_identity.json`` a worker wrote beside the
+checkpoint while it matches the files. A drafter without ``embed_tokens`` / ``lm_head`` needs
+``target_checkpoint``, as the worker does, and fails with the worker's message without it.
 """
 
 from __future__ import annotations

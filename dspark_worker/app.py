@@ -89,6 +89,31 @@ def resolve_device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(name: str) -> None:
+    """A CUDA device asked of a torch without CUDA (or without a GPU) fails in one line."""
+    if not name.startswith("cuda"):
+        return
+    import torch
+
+    if torch.version.cuda is None:
+        raise StartupError(f"--device {name}: this torch ({torch.__version__}) is a CPU-only"
+                           " build; use --device cpu, or install a CUDA build of torch")
+    if not torch.cuda.is_available():
+        raise StartupError(f"--device {name}: no CUDA device is visible (CUDA_VISIBLE_DEVICES"
+                           f"={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --device"
+                           " cpu")
+
+
+def set_threads(threads: int) -> int:
+    """Torch intra-op threads on the calling thread (the device thread, which runs every torch
+    call); 0 keeps torch's default. Returns the count in force."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return int(torch.get_num_threads())
+
+
 def load_drafter_for(config: WorkerConfig) -> Any:
     """Load and return the drafter the config names (slow: run it off the event loop)."""
     import torch
@@ -141,6 +166,7 @@ class WorkerApp:
         self.tcp_address: tuple[str, int] | None = None
         self.unix_path: str | None = None
         self.metrics_address: tuple[str, int] | None = None
+        self.threads = 0  # torch intra-op threads in force, once started
         self._tcp_sock: socket.socket | None = None  # bound before loading, served on after
         self._unix_sock: socket.socket | None = None
 
@@ -168,6 +194,10 @@ class WorkerApp:
         if warning:
             log.warning("%s", warning)
         secret = read_secret(c.auth_secret_file) if c.auth_secret_file else None
+        check_device(c.device)
+        self.threads = await loop.run_in_executor(self._device, set_threads, c.threads)
+        log.info("torch intra-op threads: %d%s", self.threads,
+                 " (torch's default)" if c.threads == 0 else "")
         t0 = time.perf_counter()
         if self.drafter is None:
             log.info("loading drafter: %s on %s%s", c.checkpoint or "embedded default",
@@ -342,6 +372,7 @@ class WorkerApp:
 
             device_bytes = int(torch.cuda.memory_allocated(d.device))
         return {
+            "threads": self.threads,
             "connections": len(self.server.connections) if self.server else 0,
             "memory": {
                 "window_bytes": int(self.pool.nbytes) if self.pool is not None else 0,

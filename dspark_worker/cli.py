@@ -31,6 +31,7 @@ from .config import (
     DEFAULT_SESSION_IDLE_S,
     DEFAULT_SHED_QUEUE_STEPS,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_THREADS,
     DEFAULT_WINDOW,
     DEVICES,
     DTYPES,
@@ -57,6 +58,10 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
     ("dtype", "DTYPE", str,
      f"drafter weights and rings: {', '.join(DTYPES)}. auto = bfloat16 on CUDA, float32 on"
      " CPU. Default: auto."),
+    ("threads", "N", int,
+     f"torch intra-op threads. More than one only pays on a CPU worker with cores of its own:"
+     f" with several, one thread descheduled by a busy neighbour process stalls every op."
+     f" 0 = torch's default (one per core, or $OMP_NUM_THREADS). Default: {DEFAULT_THREADS}."),
     ("window", "W", int,
      f"rows of context kept per slot (W, section 8); the client's HELLO must name the same."
      f" Memory is max_total_slots x W x per-row K/V bytes. Default: {DEFAULT_WINDOW}."),

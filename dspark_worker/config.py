@@ -60,6 +60,12 @@ DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
 # hears "go elsewhere" on its next round instead of timing out) before it stops listening; it
 # ends sooner once every connection has closed. Well inside Kubernetes' 30 s grace period.
 DEFAULT_DRAIN_S: Final = 5.0
+# Torch intra-op threads of the worker. One: a CPU worker's batches are small, and with more
+# threads every op waits at a barrier for all of them, so one thread descheduled by a busy
+# neighbour process stalls every op (on 2 shared cores the p50 round trip was 45 ms with one
+# thread, 348 ms with two, and past 2 s with one more busy process: bench/README.md "CPU
+# threads"). On CUDA the device does the work and the host needs no thread pool.
+DEFAULT_THREADS: Final = 1
 # Frames received on one connection and not yet answered before the worker stops reading from
 # it: the contract allows one in flight, so more is a misbehaving client; bounds its memory.
 MAX_PENDING_FRAMES_PER_CONNECTION: Final = 4
@@ -103,6 +109,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     target_checkpoint: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    threads: int = DEFAULT_THREADS  # torch intra-op threads; 0: torch's default (every core)
     window: int = DEFAULT_WINDOW
     max_slots: int = DEFAULT_MAX_SLOTS
     max_rows_per_step: int = DEFAULT_MAX_ROWS_PER_STEP
@@ -160,6 +167,8 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
     positive_int("max_total_slots")
     positive_int("max_connections")
     positive_int("shed_queue_steps")
+    if isinstance(c.threads, bool) or not isinstance(c.threads, int) or c.threads < 0:
+        out.append(("threads", c.threads, "is not a non-negative integer (0: torch's default)"))
     if isinstance(c.max_frame_bytes, bool) or c.max_frame_bytes < 0:
         out.append(("max_frame_bytes", c.max_frame_bytes, "is negative (0 means automatic)"))
     elif 0 < c.max_frame_bytes < MIN_FRAME_BYTES:

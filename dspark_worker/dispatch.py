@@ -20,6 +20,7 @@ What each op does:
 * PING (10): answered at once, with or without a session.
 * STATS (10): the JSON below, with or without a session.
 * RESET (10): the listed slots' windows (count 0: all) are dropped, in order with the STEPs.
+* GOODBYE (6.2, 10): the session, bound to this connection, is dropped with all its slots.
 
 STATS JSON (UTF-8 object; fields are only ever added, except that a session's id and client name
 go only to its own connection)::
@@ -35,7 +36,7 @@ go only to its own connection)::
                  "max_connections", "max_frame_bytes", "session_idle_s",
                  "partial_frame_timeout_s", "handshake_timeout_s", "connection_idle_s",
                  "shed_queue_steps"},
-      "connections": int, "queue_steps": int,
+      "threads": int, "connections": int, "queue_steps": int,
       "sessions": [{"label": str, "session": int (own only), "client_name": str (own only),
                     "sample_mode": "greedy" | "top32",
                     "max_slots": int, "slots_in_use": int, "connected": bool,
@@ -45,7 +46,7 @@ go only to its own connection)::
                  "sent_bytes", "batches": int,
                  "refusals": {"<OP>:<STATUS>": int},
                  "request_status": {"OK" | "PARTIAL_WINDOW" | ...: int},
-                 "sessions_dropped": {"replaced" | "recreated" | "expired" | ...: int}},
+                 "sessions_dropped": {"replaced" | "recreated" | "expired" | "goodbye" | ...: int}},
       "latency_us": {"decode" | "queue" | "apply" | "draft" | "encode" | "step" |
                      "to_device" | "from_device":
                      {"count": int, "p50_us", "p90_us", "p99_us", "max_us": float}},
@@ -79,6 +80,7 @@ from protocol.constants import (
     CAP_SHM_ROWS,
     FRAME_STATUS_NAMES,
     IDENTITY_BYTES,
+    OP_GOODBYE,
     OP_HELLO,
     OP_PING,
     OP_RESET,
@@ -273,6 +275,7 @@ class Dispatcher:
             OP_PING: self._ping,
             OP_STATS: self._stats,
             OP_RESET: self._reset,
+            OP_GOODBYE: self._goodbye,
             OP_SHM_ATTACH: self._shm_attach,
         }
         # Section 13: shared-memory rows regions (max_region_bytes 0: none offered).
@@ -535,7 +538,7 @@ class Dispatcher:
         if entries:
             self.metrics.batch_entries.observe(entries)
 
-    # -- PING, STATS, RESET (10) ------------------------------------------------------------------
+    # -- PING, STATS, RESET, GOODBYE (10) ------------------------------------------------------
     def _ping(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
         h = fr.header
         if fr.body.nbytes:
@@ -568,6 +571,15 @@ class Dispatcher:
         self.runner.submit(LaneOp("release", s, np.unique(arr) if arr.size else None))
         log.debug("session %#010x RESET %s", s.session_id,
                   "every slot" if not arr.size else f"{arr.size} slots")
+        return self._ok(h)
+
+    def _goodbye(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
+        h = fr.header
+        if fr.body.nbytes:
+            raise BadFrameError(f"GOODBYE carries a {fr.body.nbytes}-byte body; it has none",
+                                field="body_len", value=fr.body.nbytes, limit=0)
+        s = self.table.bound(h.session, conn.conn_id, h.seq)
+        self._drop(s, DropReason.GOODBYE, f"released by its client from {conn.peer}")
         return self._ok(h)
 
     # -- SHM_ATTACH (13.2) -------------------------------------------------------------------------

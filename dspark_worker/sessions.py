@@ -61,6 +61,7 @@ class DropReason(str, enum.Enum):
     REPLACED = "replaced"  # a HELLO under another id with the same client name
     RECREATED = "recreated"  # a reconnect HELLO whose fields differ from the first
     EXPIRED = "expired"  # no frame for session_idle_s
+    GOODBYE = "goodbye"  # the client released it (OP_GOODBYE)
     INTERNAL = "internal"  # the worker failed while applying one of its STEPs
     SHUTDOWN = "shutdown"
 

@@ -20,6 +20,7 @@ OP_STEP: Final = 2
 OP_PING: Final = 3
 OP_STATS: Final = 4
 OP_RESET: Final = 5
+OP_GOODBYE: Final = 6  # release the session and all its slots now (6.2)
 OP_SHM_ATTACH: Final = 7  # section 13: a shared-memory rows region for this connection
 OP_NAMES: Final[dict[int, str]] = {
     OP_HELLO: "HELLO",
@@ -27,6 +28,7 @@ OP_NAMES: Final[dict[int, str]] = {
     OP_PING: "PING",
     OP_STATS: "STATS",
     OP_RESET: "RESET",
+    OP_GOODBYE: "GOODBYE",
     OP_SHM_ATTACH: "SHM_ATTACH",
 }
 

@@ -10,13 +10,19 @@ Each identity is a SHA-256 over tensors sorted by name; each tensor is fed as::
 tensor the drafter runs with, including ``embed_tokens.weight`` and ``lm_head.weight`` when they
 come from the target checkpoint (they shape every draft, so they belong to its identity). The
 file order, the split into shards and the tensor order inside a file do not change the result.
+
+A drafter folder lacking ``embed_tokens.weight`` or ``lm_head.weight`` with no target that has
+it is refused here, for worker and engine alike (``drafter_refs``). ``dspark_identity.json``
+beside a checkpoint records identities with their inputs, so that an engine's HELLO need not
+hash gigabytes of weights the worker already hashed (``read_identity_file``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import mmap
+import os
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -42,6 +48,13 @@ SINGLE_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
 # A safetensors JSON header larger than this is refused as malformed.
 MAX_HEADER_BYTES: Final = 100 << 20
+# Hashing reads files through one buffer of this size: large enough that SHA-256, not the
+# reads, sets the pace; small beside any weights.
+HASH_CHUNK_BYTES: Final = 8 << 20
+# Beside a checkpoint: its identities and what they were computed from (section 6.4), so that
+# an engine building its HELLO need not read the weights again (``cached_identities``).
+IDENTITY_FILE: Final = "dspark_identity.json"
+IDENTITY_FILE_FORMAT: Final = 1
 
 TensorBytes = bytes | bytearray | memoryview
 
@@ -136,10 +149,13 @@ def tensor_index(paths: Iterable[Path]) -> dict[str, TensorRef]:
     return out
 
 
-def _feed(h: Any, name: str, dtype: str, shape: tuple[int, ...], data: TensorBytes) -> None:
-    nbytes = memoryview(data).nbytes
+def _feed_head(h: Any, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
     h.update(name.encode("utf-8") + b"\0" + dtype.encode("ascii") + b"\0")
     h.update(struct.pack(f"<I{len(shape)}QQ", len(shape), *shape, nbytes))
+
+
+def _feed(h: Any, name: str, dtype: str, shape: tuple[int, ...], data: TensorBytes) -> None:
+    _feed_head(h, name, dtype, shape, memoryview(data).nbytes)
     h.update(data)
 
 
@@ -148,24 +164,35 @@ def _is_markov(name: str) -> bool:
 
 
 def identities_from_refs(refs: Mapping[str, TensorRef]) -> tuple[bytes, bytes]:
-    """Identities of tensors lying in files, read through a memory map (never all at once)."""
+    """Identities of tensors lying in files, read through one reused buffer of
+    HASH_CHUNK_BYTES: the process never holds more of the weights than that (a memory map
+    would leave every page it touched resident)."""
     drafter, markov = hashlib.sha256(), hashlib.sha256()
-    maps: dict[Path, mmap.mmap] = {}
+    buf = bytearray(HASH_CHUNK_BYTES)
+    view = memoryview(buf)
+    files: dict[Path, Any] = {}
     try:
         for name in sorted(refs):
             ref = refs[name]
-            mm = maps.get(ref.path)
-            if mm is None:
-                with open(ref.path, "rb") as f:
-                    mm = maps[ref.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            view = memoryview(mm)[ref.start:ref.end]
-            try:
-                _feed(markov if _is_markov(name) else drafter, name, ref.dtype, ref.shape, view)
-            finally:
-                view.release()
+            f = files.get(ref.path)
+            if f is None:
+                try:
+                    f = files[ref.path] = open(ref.path, "rb")  # noqa: SIM115 - closed below
+                except OSError as exc:
+                    raise SafetensorsError(f"{ref.path}: cannot read ({exc})") from exc
+            h = markov if _is_markov(name) else drafter
+            _feed_head(h, name, ref.dtype, ref.shape, ref.end - ref.start)
+            f.seek(ref.start)
+            left = ref.end - ref.start
+            while left:
+                n = f.readinto(view[:min(left, HASH_CHUNK_BYTES)])
+                if not n:
+                    raise SafetensorsError(f"{ref.path}: tensor {name!r} is cut short")
+                h.update(view[:n])
+                left -= n
     finally:
-        for mm in maps.values():
-            mm.close()
+        for f in files.values():
+            f.close()
     return drafter.digest(), markov.digest()
 
 
@@ -218,11 +245,113 @@ def identities_from_files(
     return identities_from_refs(refs)
 
 
-def identities_from_checkpoint(checkpoint: Path | str,
-                               target_checkpoint: Path | str | None = None) -> tuple[bytes, bytes]:
-    """Identities of a DeepSpec drafter checkpoint folder, taking ``embed_tokens`` and
-    ``lm_head`` from the target checkpoint folder when the drafter has none."""
+def missing_target_tensor_message(checkpoint: Path | str, name: str,
+                                  target_checkpoint: Path | str | None) -> str:
+    """The one text, worker and engine alike, for a drafter checkpoint that lacks
+    ``embed_tokens.weight`` or ``lm_head.weight`` with no target checkpoint that has it."""
+    if target_checkpoint is None:
+        return (f"{checkpoint}: the drafter checkpoint has no {name} and no target checkpoint"
+                f" was given; pass the target model's checkpoint to take {name} from it"
+                " (dspark-worker --target-checkpoint; hello_from_checkpoint(...,"
+                " target_checkpoint=...) on the engine side, the same folder)")
+    return (f"{checkpoint}: the drafter checkpoint has no {name}, and the target checkpoint"
+            f" {target_checkpoint} has none of {list(TARGET_FALLBACKS[name])} either")
+
+
+def drafter_refs(checkpoint: Path | str, target_checkpoint: Path | str | None = None
+                 ) -> dict[str, TensorRef]:
+    """Where each tensor of a DeepSpec drafter checkpoint folder lies, ``embed_tokens`` and
+    ``lm_head`` taken from the target checkpoint folder when the drafter has none; either one
+    missing from both is an error (``missing_target_tensor_message``). Headers only."""
     refs = tensor_index(checkpoint_files(Path(checkpoint)))
+    lacking = [name for name in TARGET_FALLBACKS if name not in refs]
+    if not lacking:
+        return refs
     target = (tensor_index(checkpoint_files(Path(target_checkpoint)))
               if target_checkpoint is not None else None)
-    return identities_from_refs(resolve_fallbacks(refs, target))
+    refs = resolve_fallbacks(refs, target)
+    for name in lacking:
+        if name not in refs:
+            raise SafetensorsError(missing_target_tensor_message(checkpoint, name,
+                                                                 target_checkpoint),
+                                   field=name)
+    return refs
+
+
+def identities_from_checkpoint(checkpoint: Path | str,
+                               target_checkpoint: Path | str | None = None, *,
+                               use_identity_file: bool = True) -> tuple[bytes, bytes]:
+    """Identities of a DeepSpec drafter checkpoint folder, taking ``embed_tokens`` and
+    ``lm_head`` from the target checkpoint folder when the drafter has none. With
+    ``use_identity_file``, a current ``dspark_identity.json`` beside the checkpoint (the
+    worker writes it when it loads the folder) answers without reading the weights; otherwise
+    they are hashed. Nothing is written here."""
+    refs = drafter_refs(checkpoint, target_checkpoint)
+    if use_identity_file:
+        cached = read_identity_file(checkpoint, refs)
+        if cached is not None:
+            return cached
+    return identities_from_refs(refs)
+
+
+# -- the identity file ----------------------------------------------------------------------------
+def identity_inputs(checkpoint: Path | str, refs: Mapping[str, TensorRef]) -> dict[str, Any]:
+    """What identities are computed from, cheaply checkable: every tensor's file, byte range,
+    dtype and shape, and every file's size and modification time (a file rewritten since
+    makes a recorded identity stale). Files inside the checkpoint folder are named relative
+    to it, others (a target checkpoint's) by absolute path."""
+    root = Path(checkpoint).resolve()
+
+    def label(path: Path) -> str:
+        p = Path(path).resolve()
+        return str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
+
+    files: dict[str, dict[str, int]] = {}
+    for ref in refs.values():
+        key = label(ref.path)
+        if key not in files:
+            st = os.stat(ref.path)
+            files[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    tensors = {name: [label(ref.path), ref.dtype, list(ref.shape), ref.start, ref.end]
+               for name, ref in sorted(refs.items())}
+    return {"files": dict(sorted(files.items())), "tensors": tensors}
+
+
+def read_identity_file(checkpoint: Path | str,
+                       refs: Mapping[str, TensorRef]) -> tuple[bytes, bytes] | None:
+    """The identities recorded beside ``checkpoint`` if they were computed from exactly these
+    tensors in these files as they are now; None when there is no such file or it is stale,
+    unreadable or of another format."""
+    path = Path(checkpoint) / IDENTITY_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if (not isinstance(record, dict) or record.get("format") != IDENTITY_FILE_FORMAT
+                or record.get("inputs") != identity_inputs(checkpoint, refs)):
+            return None
+        drafter, markov = (bytes.fromhex(record[k])
+                           for k in ("drafter_identity", "markov_identity"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if len(drafter) != 32 or len(markov) != 32:
+        return None
+    return drafter, markov
+
+
+def write_identity_file(checkpoint: Path | str, refs: Mapping[str, TensorRef],
+                        ids: tuple[bytes, bytes]) -> Path | None:
+    """Record ``ids`` and their inputs beside ``checkpoint`` (written whole, then renamed, so
+    a reader never sees half of it). Returns the path, or None when the folder is not
+    writable (a read-only volume): the identity file is only a shortcut."""
+    path = Path(checkpoint) / IDENTITY_FILE
+    record = {"format": IDENTITY_FILE_FORMAT, "drafter_identity": ids[0].hex(),
+              "markov_identity": ids[1].hex(),
+              "inputs": identity_inputs(checkpoint, refs)}
+    tmp = path.with_name(f".{IDENTITY_FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return None
+    return path

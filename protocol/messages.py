@@ -23,6 +23,7 @@ from .constants import (
     KNOWN_REPLY_FLAGS,
     MAX_TOP_K,
     NAME_BYTES,
+    OP_GOODBYE,
     REPLY_ALIGN,
     REPLY_HEADER_SIZE,
     REQ_ENTRY_SIZE,
@@ -33,6 +34,7 @@ from .constants import (
     VERSION,
 )
 from .errors import BadFrameError, WireError
+from .framing import frame
 
 Buffer = bytes | bytearray | memoryview
 
@@ -353,6 +355,12 @@ def pack_reset(slots: list[int]) -> bytes:
     except struct.error as exc:
         raise BadFrameError(f"RESET slots {slots!r} do not fit u32: {exc}",
                             field="slots") from exc
+
+
+def goodbye_frame(seq: int, session: int) -> bytes:
+    """A GOODBYE request (section 4): the session in the header, no body. The worker releases
+    the session and all its slots (6.2)."""
+    return frame(OP_GOODBYE, seq, session)
 
 
 def reset_slots(body: Buffer, max_count: int | None = None) -> npt.NDArray[np.uint32]:

@@ -11,6 +11,7 @@ embedding twice for a target with tied embeddings).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,18 +23,20 @@ from safetensors.torch import save_file
 from protocol.identity import (
     INDEX_FILE,
     SINGLE_FILE,
-    TARGET_FALLBACKS,
     SafetensorsError,
     TensorRef,
     checkpoint_files,
-    identities_from_refs,
-    resolve_fallbacks,
+    drafter_refs,
+    identities_from_arrays,
     tensor_index,
+    write_identity_file,
 )
 
 from .config import DrafterConfig
 from .families import expected_shapes, load_config
 from .model import DraftModel
+
+log = logging.getLogger("dspark_worker.checkpoint")
 
 # safetensors dtype spellings the drafter loads (it casts to its own dtype after loading).
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -86,21 +89,16 @@ def resolve_checkpoint(checkpoint: str | Path,
                 + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""),
                 tensor=unexpected[0], shape=refs[unexpected[0]].shape)
         lacking = [name for name in TARGET_TENSORS if name not in refs]
-        if lacking and target_checkpoint is not None:
-            target = tensor_index(checkpoint_files(Path(target_checkpoint)))
-            refs = resolve_fallbacks(refs, target)
+        if lacking:  # from the target, or the error engines get too (protocol.identity)
+            refs = drafter_refs(directory, target_checkpoint)
     except SafetensorsError as exc:
-        raise CheckpointError(str(exc)) from exc
+        raise CheckpointError(str(exc), tensor=exc.field) from exc
+    _log_target_tensors(refs, lacking, target_checkpoint)
     for name, shape in expected.items():
         ref = refs.get(name)
-        if ref is None:
-            where = (f"; pass the target checkpoint to take {name} from it"
-                     if name in TARGET_TENSORS and target_checkpoint is None else
-                     f" nor in the target checkpoint {target_checkpoint} (which holds none of"
-                     f" {list(TARGET_FALLBACKS[name])})"
-                     if name in TARGET_TENSORS else "")
+        if ref is None:  # embed_tokens / lm_head: drafter_refs said so already
             raise CheckpointError(f"{directory}: missing tensor {name} (expected shape "
-                                  f"{list(shape)}){where}", tensor=name, expected=shape)
+                                  f"{list(shape)})", tensor=name, expected=shape)
         if ref.shape != shape:
             raise CheckpointError(
                 f"{ref.path}: tensor {name} has shape {list(ref.shape)}, expected {list(shape)}",
@@ -111,16 +109,46 @@ def resolve_checkpoint(checkpoint: str | Path,
     return config, refs
 
 
-def load_checkpoint(checkpoint: str | Path,
-                    target_checkpoint: str | Path | None = None) -> LoadedCheckpoint:
+def load_checkpoint(checkpoint: str | Path, target_checkpoint: str | Path | None = None, *,
+                    record_identities: bool = True) -> LoadedCheckpoint:
     """Read a DeepSpec drafter checkpoint folder (``model.safetensors`` or shards with
     ``model.safetensors.index.json``); ``embed_tokens`` / ``lm_head`` come from
-    ``target_checkpoint`` when the drafter has none."""
+    ``target_checkpoint`` when the drafter has none. ``record_identities``: write
+    ``dspark_identity.json`` beside it (when writable) so that engines need not hash the
+    weights for their HELLO."""
     config, refs = resolve_checkpoint(checkpoint, target_checkpoint)
     tensors = {name: read_tensor(name, ref) for name, ref in refs.items()}
-    drafter_id, markov_id = identities_from_refs(refs)
+    # Hashed from the loaded bytes: the weights are read once, and what is hashed is exactly
+    # what runs (hashing the files beside the loaded copy doubled the resident memory).
+    drafter_id, markov_id = identities_from_arrays(
+        {name: (ref.dtype, ref.shape, _raw_bytes(tensors[name])) for name, ref in refs.items()})
+    if record_identities:
+        written = write_identity_file(checkpoint, refs, (drafter_id, markov_id))
+        log.info("identities %s", f"recorded in {written} for engines" if written else
+                 f"not recorded beside {checkpoint} (not writable): engines hash the weights")
     files = tuple(sorted({ref.path for ref in refs.values()}))
     return LoadedCheckpoint(config, tensors, drafter_id, markov_id, files)
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes, no copy."""
+    if not t.numel():
+        return memoryview(b"")
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _log_target_tensors(refs: dict[str, TensorRef], lacking: list[str],
+                        target_checkpoint: str | Path | None) -> None:
+    """Say where embed_tokens and lm_head come from, and when --target-checkpoint is unused."""
+    for name in TARGET_TENSORS:
+        ref = refs.get(name)
+        if ref is not None:
+            log.info("%s (%s %s): %s", name, ref.dtype, list(ref.shape),
+                     f"from the target checkpoint, {ref.path}" if name in lacking
+                     else f"from the drafter checkpoint, {ref.path}")
+    if target_checkpoint is not None and not lacking:
+        log.info("target checkpoint %s ignored: the drafter checkpoint has its own %s",
+                 target_checkpoint, " and ".join(TARGET_TENSORS))
 
 
 def read_tensor(name: str, ref: TensorRef) -> torch.Tensor:

@@ -375,13 +375,15 @@ def _resolve(device: str | torch.device, dtype: torch.dtype | None
 
 
 def load_drafter(checkpoint: str | Path | None, target_checkpoint: str | Path | None = None,
-                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Drafter:
+                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None, *,
+                 record_identities: bool = True) -> Drafter:
     """A drafter from a DeepSpec checkpoint folder, or the embedded default when
-    ``checkpoint`` is None. dtype defaults to bf16 on CUDA and fp32 on the CPU."""
+    ``checkpoint`` is None. dtype defaults to bf16 on CUDA and fp32 on the CPU.
+    ``record_identities``: see ``load_checkpoint``."""
     if checkpoint is None:
         return embedded_default(device=device, dtype=dtype)
     dev, dt = _resolve(device, dtype)
-    loaded = load_checkpoint(checkpoint, target_checkpoint)
+    loaded = load_checkpoint(checkpoint, target_checkpoint, record_identities=record_identities)
     model = build_model(loaded.config, loaded.tensors, device=dev, dtype=dt)
     return Drafter(model, drafter_identity=loaded.drafter_identity,
                    markov_identity=loaded.markov_identity, source=str(checkpoint))
@@ -406,7 +408,8 @@ def embedded_default(device: str | torch.device = "cpu",
         log.warning("the reference drafter is missing from %s (a stripped install?); serving"
                     " random weights instead", REFERENCE_DIR)
         return random_default(device=device, dtype=dtype)
-    drafter = load_drafter(REFERENCE_DIR, device=device, dtype=dtype)
+    # The package's own folder: nothing is written into an installation.
+    drafter = load_drafter(REFERENCE_DIR, device=device, dtype=dtype, record_identities=False)
     drafter.source = "embedded"
     return drafter
 
@@ -424,7 +427,7 @@ def embedded_identities() -> tuple[bytes, bytes]:
     """(drafter_identity, markov_identity) of the embedded default, from its files."""
     if not (REFERENCE_DIR / "config.json").is_file():
         return random_identities()
-    return identities_from_checkpoint(REFERENCE_DIR)
+    return identities_from_checkpoint(REFERENCE_DIR, use_identity_file=False)
 
 
 def random_identities() -> tuple[bytes, bytes]:

@@ -12,6 +12,7 @@ expect. Hooks inject what a real worker never sends: bad replies, cuts, silence.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import tempfile
@@ -135,6 +136,8 @@ class FakeWorker:
         self.steps: list[tuple[wire.AppHeader, list[wire.ReqEntry]]] = []
         self.connections = 0
         self.confidence = 0.9
+        self.stats_limits: dict[str, Any] = {"max_sessions": 64, "max_total_slots": 512,
+                                             "session_idle_s": 600.0}
         self.lock = threading.RLock()
         self._conns: dict[int, socket.socket] = {}
         self._threads: list[threading.Thread] = []
@@ -248,8 +251,13 @@ class FakeWorker:
         if h.op == wire.OP_PING:
             return ("send", wire.frame(h.op, h.seq, h.session, b""))
         if h.op == wire.OP_STATS:
-            return ("send", wire.frame(h.op, h.seq, h.session,
-                                       b'{"worker_name": "fake-worker"}'))
+            return ("send", wire.frame(h.op, h.seq, h.session, self.stats_json()))
+        if h.op == wire.OP_GOODBYE:
+            s = self._session_for(conn_id, h)
+            if isinstance(s, int):
+                return ("send", wire.frame(h.op, h.seq, h.session, b"", status=s))
+            del self.sessions[h.session]
+            return ("send", wire.frame(h.op, h.seq, h.session, b""))
         if h.op == wire.OP_HELLO:
             return self._hello(conn_id, h, body)
         if h.op == wire.OP_RESET:
@@ -261,6 +269,24 @@ class FakeWorker:
         if h.op == wire.OP_STEP:
             return self._step(conn_id, h, body)
         return ("send", wire.frame(h.op, h.seq, h.session, b"", status=wire.ST_BAD_FRAME))
+
+    def stats_json(self) -> bytes:
+        """What the real worker's STATS says of its geometry, identities, limits, sessions."""
+        r = self.hello_reply
+        return json.dumps({
+            "worker_name": r.worker_name, "contract_version": wire.VERSION, "ready": True,
+            "geometry": {"window": r.window, "num_spec": r.num_spec, "row_bytes": r.row_bytes,
+                         "vocab_size": r.vocab_size, "n_taps": r.n_taps, "hidden": r.hidden,
+                         "capabilities": r.capabilities},
+            "drafter_identity": r.drafter_identity.hex(),
+            "markov_identity": r.markov_identity.hex(),
+            "limits": {"max_slots": r.max_slots, "max_rows_per_step": r.max_rows_per_step,
+                       **self.stats_limits},
+            # As the real worker shows sessions to a stranger: by label, not name or id.
+            "sessions": [{"label": f"{x.session_id:012x}", "max_slots": x.hello.max_slots,
+                          "slots_in_use": len(x.slots), "connected": True, "idle_s": 0.0}
+                         for x in self.sessions.values()],
+        }).encode()
 
     def _hello(self, conn_id: int, h: wire.AppHeader, body: bytes) -> tuple[str, Any]:
         rep = self.hello_reply.pack()

@@ -1,8 +1,10 @@
-"""dspark-client: commands against the fake worker, exit codes (0 ok, 1 worker error, 2 usage or
-connection error) and one clear line on stderr."""
+"""dspark-client: commands against the fake worker, exit codes (0 ok, 1 worker error, 2 usage,
+3 connection error) and one clear line on stderr. Against a real worker:
+tests/e2e/test_cli_worker.py."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import shutil
@@ -13,9 +15,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from client_fakes import FakeWorker, make_hello_reply
+from client_fakes import FakeWorker, make_hello, make_hello_reply
 
-from dspark_client.cli import main
+from dspark_client.cli import build_parser, main, normalise_endpoint
+from dspark_client.client import RemoteDraftClient
+from dspark_client.config import RemoteConfig
 from protocol import wire
 from protocol.messages import decode_reset
 
@@ -41,14 +45,42 @@ def dead_endpoint() -> str:
 
 
 def test_ping(fw: FakeWorker) -> None:
-    code, out = run("--endpoint", fw.endpoint, "ping", "-c", "3")
+    code, out = run("--endpoint", fw.endpoint, "ping", "-c", "3", "-i", "0")
     assert code == 0 and out.count("pong from") == 3
+    summary = out.strip().splitlines()[-1]
+    assert "3 pings" in summary and "min/avg/max" in summary and summary.endswith(" ms")
+    lo, avg, hi = (float(x) for x in summary.split("= ")[1].split()[0].split("/")[:3])
+    assert 0 < lo <= avg <= hi
+    code, out = run("--endpoint", fw.endpoint, "ping")
+    assert code == 0 and "min/avg/max" not in out  # one PING: no summary
 
 
-def test_stats_prints_pretty_json(fw: FakeWorker) -> None:
+def test_stats_summary_and_json(fw: FakeWorker) -> None:
     code, out = run("--endpoint", fw.endpoint, "stats")
+    assert code == 0 and out.startswith("worker fake-worker at " + fw.endpoint)
+    assert "sessions 0/64, slots reserved 0/512" in out and "{" not in out
+    code, out = run("--endpoint", fw.endpoint, "stats", "--json")
     assert code == 0 and json.loads(out)["worker_name"] == "fake-worker"
     assert "\n  " in out
+
+
+def test_global_options_after_the_command_and_bare_host_port(fw: FakeWorker) -> None:
+    host_port = fw.endpoint.removeprefix("tcp://")
+    code, out = run("ping", "--endpoint", host_port, "--timeout", "5")
+    assert code == 0 and f"pong from {fw.endpoint}:" in out
+    # After the command wins over before it.
+    code, out = run("--endpoint", dead_endpoint(), "stats", "--endpoint", fw.endpoint)
+    assert code == 0 and "fake-worker" in out
+
+
+def test_every_option_says_its_default() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in [("", parser), *sub.choices.items()]:
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            assert action.help and "default" in action.help, (name, action.dest)
 
 
 def test_reset(fw: FakeWorker) -> None:
@@ -69,28 +101,71 @@ def test_bench(fw: FakeWorker, sampled: bool, capsys: pytest.CaptureFixture[str]
     assert code == 0
     result = json.loads(out)
     assert result["batch"] == 3 and result["failed_rounds"] == 0
-    assert set(result["rtt_us"]) >= {"p50", "p90", "p99", "max"}
+    assert set(result["rtt_ms"]) >= {"p50", "p90", "p99", "max"}
     assert result["rounds_per_s"] > 0 and result["drafted_positions_per_s"] > 0
     assert fw.errors == []
     assert "12/" not in capsys.readouterr().out  # the progress bar goes to stderr only
-    hellos = [h for _, h, _ in fw.frames if h.op == wire.OP_HELLO]
-    assert len(hellos) == 2  # the probe, then the HELLO with the worker's geometry
+    ops = [h.op for _, h, _ in fw.frames]
+    # Geometry from STATS (no probe HELLO), one HELLO, and the session released at the end.
+    assert ops[0] == wire.OP_STATS and ops.count(wire.OP_HELLO) == 1
+    assert ops[-1] == wire.OP_GOODBYE and fw.sessions == {}
+    if sampled:
+        top_ks = {int(e.top_k) for _, entries in fw.steps for e in entries}
+        assert top_ks == {wire.MAX_TOP_K}
 
 
-def test_bench_text_output_and_progress(fw: FakeWorker,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+class FakeTty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_bench_text_output_and_progress(fw: FakeWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    tty = FakeTty()
+    monkeypatch.setattr(sys, "stderr", tty)
     code, out = run("--endpoint", fw.endpoint, "bench", "--batch", "2", "--steps", "5",
-                    "--warmup", "0")
+                    "--warmup", "3")
     assert code == 0 and "rtt    p50" in out and "rounds/s" in out
-    err = capsys.readouterr().err
-    assert "] 5/5" in err and err.endswith("\n")  # the progress bar, on stderr
+    assert "5 measured rounds after 3 warm-up" in out
+    rtt = out.split("rtt    p50")[1].split()
+    assert rtt[1] == "ms"  # figures in ms
+    err = tty.getvalue()
+    # Warm-up counted apart from the measured rounds, on a terminal only.
+    assert "warm-up" in err and "] 3/3" in err and "measured" in err and "] 5/5" in err
+    assert "/8" not in err and err.endswith("\n")
 
 
-def test_connection_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_no_progress_frames_off_a_terminal(fw: FakeWorker,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code, _ = run("--endpoint", fw.endpoint, "bench", "--batch", "2", "--steps", "5")
+    assert code == 0 and "\r" not in capsys.readouterr().err
+
+
+def test_bench_fails_when_rounds_fail(fw: FakeWorker, capsys: pytest.CaptureFixture[str]) -> None:
+    steps = 0
+
+    def busy_after_warmup(ctx: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        return ("status", wire.ST_BUSY) if steps > 2 and steps % 3 == 0 else None
+
+    fw.step_hook = busy_after_warmup
+    code, out = run("--endpoint", fw.endpoint, "bench", "--batch", "2", "--steps", "30",
+                    "--warmup", "2", "--json")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1, err
+    result = json.loads(out)
+    assert result["failed_rounds"] == 10 and result["failed_reasons"] == {"frame_busy": 10}
+    assert len(err) == 1 and "10 of 30 measured rounds failed" in err[0] and "1%" in err[0]
+    assert fw.sessions == {}  # released on the error path too
+
+
+def test_connection_error_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
     ep = dead_endpoint()
     code, _ = run("--endpoint", ep, "--timeout", "0.5", "ping")
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "connect failed" in err[0] and ep in err[0]
+    assert code == 3 and len(err) == 1 and "connect failed" in err[0] and ep in err[0]
+    code, _ = run("--endpoint", ep, "--timeout", "0.5", "bench")
+    assert code == 3
 
 
 def test_bad_endpoint_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -116,6 +191,43 @@ def test_worker_refusal_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--auth-secret-file" in err[0]
 
 
+def test_busy_says_why_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeWorker(check_rows=False) as fw:
+        fw.stats_limits.update(max_total_slots=12)
+        holder = RemoteDraftClient(RemoteConfig(endpoint=fw.endpoint, timeout_ms=5000),
+                                   make_hello(max_slots=8, client_name="vllm-dp0@host-a"),
+                                   background=False)
+        assert holder.connect_now()
+        # Seen in STATS before any HELLO: nothing is asked of the worker.
+        code, _ = run("--endpoint", fw.endpoint, "bench", "--batch", "8", "--steps", "2")
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1 and len(err) == 1, err
+        assert "worker busy" in err[0] and "8 slots asked, 4 of its max_total_slots 12" in err[0]
+        assert f"session {holder.session:012x} 8 slots (0 in use" in err[0]
+        assert "session_idle_s 600" in err[0]
+        assert [h.op for _, h, _ in fw.frames].count(wire.OP_HELLO) == 1  # the holder's only
+        # Refused BUSY at HELLO time (the room went between STATS and HELLO): the same reason.
+        fw.stats_limits.update(max_total_slots=512)
+        fw.hello_hook = lambda h, hello: (("status", wire.ST_BUSY)
+                                          if hello.client_name.startswith("dspark-bench")
+                                          else None)
+        calls = 0
+        real = fw.stats_json
+
+        def shrinking() -> bytes:
+            nonlocal calls
+            calls += 1
+            fw.stats_limits.update(max_sessions=1 if calls > 1 else 64)
+            return real()
+
+        fw.stats_json = shrinking  # type: ignore[method-assign]
+        code, _ = run("--endpoint", fw.endpoint, "bench", "--batch", "8", "--steps", "2")
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1 and len(err) == 1, err
+        assert "it holds 1 sessions and its limit (max_sessions) is 1" in err[0]
+        holder.close()
+
+
 def test_worker_without_top32_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     with FakeWorker(hello_reply=make_hello_reply(capabilities=wire.CAP_TAPS_BF16)) as fw:
         code, _ = run("--endpoint", fw.endpoint, "bench", "--sampled", "--steps", "2")
@@ -137,3 +249,11 @@ def test_console_script(fw: FakeWorker) -> None:
     out = subprocess.run([*cmd, "--endpoint", fw.endpoint, "ping"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "pong" in out.stdout
+
+
+def test_normalise_endpoint() -> None:
+    assert normalise_endpoint("10.0.0.7:7600") == "tcp://10.0.0.7:7600"
+    assert normalise_endpoint("[::1]:7600") == "tcp://[::1]:7600"
+    assert normalise_endpoint("/run/dspark.sock") == "unix:///run/dspark.sock"
+    assert normalise_endpoint("tcp://h:1") == "tcp://h:1"
+    assert normalise_endpoint("unix:///x") == "unix:///x"

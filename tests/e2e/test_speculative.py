@@ -163,3 +163,14 @@ def test_sampled_first_token_follows_the_target_distribution(worker: WorkerProce
     df = int(keep.sum()) - 1
     assert df >= 3, "the prompt should leave several likely next tokens"
     assert stat < _chi2_critical(df), (stat, df)
+
+
+def test_demo_target_threads_stay_few(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's own target never takes every core: half of them, at most 2, at least 1."""
+    from dspark_client.demo import run
+
+    for cores, want in ((1, 1), (2, 1), (4, 2), (64, 2)):
+        monkeypatch.setattr(run.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert run.demo_threads() == want
+    assert "--threads" in run.DEMO_WORKER_ARGS
+    assert run.DEMO_WORKER_ARGS[run.DEMO_WORKER_ARGS.index("--threads") + 1] == "1"

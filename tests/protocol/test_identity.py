@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -13,11 +14,16 @@ from safetensors.numpy import save_file
 
 from protocol.errors import BadFrameError, WireError
 from protocol.identity import (
+    IDENTITY_FILE,
     SafetensorsError,
+    drafter_refs,
     identities_from_arrays,
     identities_from_checkpoint,
     identities_from_files,
+    missing_target_tensor_message,
     read_header,
+    read_identity_file,
+    write_identity_file,
 )
 
 Tensor = tuple[str, tuple[int, ...], bytes]  # safetensors dtype, shape, raw LE bytes
@@ -255,9 +261,12 @@ def test_target_fallbacks_equal_a_drafter_that_holds_them(full_drafter: Path, ba
                                                "model.norm.weight"]], source=target_src)
     want = identities_from_checkpoint(full_drafter)
     assert identities_from_checkpoint(bare_drafter, target) == want
-    # the target's other tensors are not the drafter's
-    assert identities_from_checkpoint(bare_drafter) != want
-    assert identities_from_checkpoint(bare_drafter)[1] == want[1]
+    # Without the target there is no identity to compute: the drafter cannot run.
+    with pytest.raises(SafetensorsError) as info:
+        identities_from_checkpoint(bare_drafter)
+    assert str(info.value) == missing_target_tensor_message(bare_drafter, "embed_tokens.weight",
+                                                            None)
+    assert info.value.field == "embed_tokens.weight"
 
 
 def test_a_tied_target_serves_its_embedding_as_lm_head(bare_drafter: Path,
@@ -366,3 +375,53 @@ def test_a_malformed_index_names_itself(tmp_path: Path, index: bytes) -> None:
     with pytest.raises(SafetensorsError) as info:
         identities_from_checkpoint(tmp_path)
     assert "model.safetensors.index.json" in str(info.value)
+
+
+# -- the identity file beside a checkpoint ---------------------------------------------------------
+def test_identity_file_answers_without_the_weights_and_goes_stale(full_drafter: Path) -> None:
+    refs = drafter_refs(full_drafter)
+    real = identities_from_checkpoint(full_drafter, use_identity_file=False)
+    assert read_identity_file(full_drafter, refs) is None  # none written yet
+    assert identities_from_checkpoint(full_drafter) == real  # hashed; nothing written
+    assert not (full_drafter / IDENTITY_FILE).exists()
+    # A recorded value is taken as it stands while the files are as recorded: the weights
+    # are not read (a made-up record shows it).
+    made_up = (bytes(range(32)), bytes(range(1, 33)))
+    path = write_identity_file(full_drafter, refs, made_up)
+    assert path == full_drafter / IDENTITY_FILE
+    assert identities_from_checkpoint(full_drafter) == made_up
+    assert identities_from_checkpoint(full_drafter, use_identity_file=False) == real
+    # A weights file touched since: stale, hashed again.
+    shard = sorted(full_drafter.glob("*.safetensors"))[0]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert read_identity_file(full_drafter, drafter_refs(full_drafter)) is None
+    assert identities_from_checkpoint(full_drafter) == real
+    # Unreadable or foreign content is ignored, never an error.
+    for text in ("{", "[]", '{"format": 99}', '{"format": 1, "inputs": {}}'):
+        (full_drafter / IDENTITY_FILE).write_text(text)
+        assert identities_from_checkpoint(full_drafter) == real
+
+
+def test_identity_file_covers_the_target(bare_drafter: Path, tmp_path: Path) -> None:
+    src = {"model.embed_tokens.weight": ALL["embed_tokens.weight"],
+           "lm_head.weight": ALL["lm_head.weight"]}
+    t1 = write_dir(tmp_path / "t1", [list(src)], source=src)
+    t2 = write_dir(tmp_path / "t2", [list(src)], source=src)
+    real = identities_from_checkpoint(bare_drafter, t1)
+    write_identity_file(bare_drafter, drafter_refs(bare_drafter, t1), (bytes(32), bytes(32)))
+    assert identities_from_checkpoint(bare_drafter, t1) == (bytes(32), bytes(32))
+    # Another target folder is another input: the record does not answer for it.
+    assert read_identity_file(bare_drafter, drafter_refs(bare_drafter, t2)) is None
+    assert identities_from_checkpoint(bare_drafter, t2) == real
+
+
+def test_identity_file_not_writable(full_drafter: Path) -> None:
+    # A place the record cannot go (as on a read-only volume; a folder in its way works for
+    # root too): no error, nothing left behind, and reading falls back to hashing.
+    (full_drafter / IDENTITY_FILE).mkdir()
+    refs = drafter_refs(full_drafter)
+    assert write_identity_file(full_drafter, refs, (bytes(32), bytes(32))) is None
+    assert [p.name for p in full_drafter.iterdir() if p.name.startswith(".")] == []
+    assert identities_from_checkpoint(full_drafter) == identities_from_checkpoint(
+        full_drafter, use_identity_file=False)

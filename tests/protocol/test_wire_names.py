@@ -62,8 +62,9 @@ def test_every_export_exists() -> None:
 def test_values_are_the_contract_s() -> None:
     assert wire.APP_HEADER_SIZE == 24
     assert wire.VERSION == 1
-    assert (wire.OP_HELLO, wire.OP_STEP, wire.OP_PING, wire.OP_STATS, wire.OP_RESET) == (
-        1, 2, 3, 4, 5)
+    assert (wire.OP_HELLO, wire.OP_STEP, wire.OP_PING, wire.OP_STATS, wire.OP_RESET,
+            wire.OP_GOODBYE) == (1, 2, 3, 4, 5, 6)
+    assert wire.goodbye_frame(7, 9) == wire.frame(wire.OP_GOODBYE, 7, 9)
     assert (wire.ST_OK, wire.ST_NO_SESSION, wire.ST_STALE_SEQ, wire.ST_BUSY,
             wire.ST_INTERNAL) == (0, 1, 2, 3, 4)
     assert (wire.ST_BAD_FRAME, wire.ST_VERSION, wire.ST_IDENTITY, wire.ST_GEOMETRY,

@@ -47,7 +47,8 @@ def test_file_then_command_line(tmp_path: Path) -> None:
 def test_every_field_settable_from_file(tmp_path: Path) -> None:
     text = "\n".join([
         'checkpoint = "/ckpt"', 'target_checkpoint = "/target"', 'device = "cpu"',
-        'dtype = "float32"', "window = 64", "max_slots = 32", "max_rows_per_step = 128",
+        'dtype = "float32"', "threads = 2", "window = 64", "max_slots = 32",
+        "max_rows_per_step = 128",
         "max_sessions = 4", "max_total_slots = 64", "max_connections = 8",
         "max_frame_bytes = 1000000", "max_shm_region_bytes = 0", "session_idle_s = 10.5",
         "partial_frame_timeout_s = 2", "handshake_timeout_s = 4", "connection_idle_s = 7",
@@ -114,3 +115,39 @@ def test_module_and_console_script_are_one_program() -> None:
     out = subprocess.run([sys.executable, "-m", "dspark_worker", "--help"], capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert out.startswith("usage: dspark-worker") and "--max-total-slots" in out
+
+
+def test_threads_flag_and_key(tmp_path: Path) -> None:
+    from dspark_worker.app import set_threads
+    from dspark_worker.config import DEFAULT_THREADS
+
+    assert DEFAULT_THREADS == 1 and cli.parse_config([]).threads == 1
+    assert cli.parse_config(["--threads", "3"]).threads == 3
+    toml = tmp_path / "w.toml"
+    toml.write_text("threads = 0\n")
+    assert cli.parse_config(["--config", str(toml)]).threads == 0
+    with pytest.raises(ConfigError, match="threads: -1 is not a non-negative integer"):
+        WorkerConfig(threads=-1)
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(2) == 2 == torch.get_num_threads()
+        assert set_threads(0) == 2  # 0 keeps what is in force
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cuda_without_a_gpu_fails_in_one_line() -> None:
+    import torch
+
+    from dspark_worker.app import StartupError, check_device
+
+    check_device("cpu")
+    if torch.cuda.is_available():  # a GPU host: nothing to refuse
+        check_device("cuda")
+        return
+    with pytest.raises(StartupError) as info:
+        check_device("cuda:0")
+    msg = str(info.value)
+    assert "\n" not in msg and "use --device cpu" in msg and "--device cuda:0" in msg

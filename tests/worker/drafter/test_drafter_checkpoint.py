@@ -12,6 +12,7 @@ import torch
 from drafter_support import TINY, make_drafter, make_rows, tiny_config
 from safetensors.torch import load_file, save_file
 
+from dspark_client.hello import hello_from_checkpoint
 from dspark_worker.drafter import (
     EMBEDDED_CONFIG,
     CheckpointError,
@@ -28,7 +29,7 @@ from dspark_worker.drafter import (
 from dspark_worker.drafter.drafter import REFERENCE_DIR
 from dspark_worker.drafter.embedded import EMBEDDED_SEED
 from dspark_worker.drafter.model import expected_shapes
-from protocol.identity import identities_from_checkpoint
+from protocol.identity import IDENTITY_FILE, identities_from_checkpoint
 
 
 def drafts_of(drafter: Drafter, seed: int = 11, n_rows: int = 9, window: int = 16
@@ -129,7 +130,15 @@ def test_single_file_round_trip(tmp_path: Path, tiny: Drafter) -> None:
     assert set(load_file(str(files[0]))) == set(expected_shapes(TINY))
     loaded = load_drafter(tmp_path)
     np.testing.assert_array_equal(drafts_of(loaded), drafts_of(tiny))
-    assert (loaded.drafter_identity, loaded.markov_identity) == identities_from_checkpoint(tmp_path)
+    # Hashed from the loaded bytes, the same as hashed from the files (nothing recorded used)
+    ids = identities_from_checkpoint(tmp_path, use_identity_file=False)
+    assert (loaded.drafter_identity, loaded.markov_identity) == ids
+    # ... and recorded beside the checkpoint, where an engine's HELLO finds it.
+    record = json.loads((tmp_path / IDENTITY_FILE).read_text())
+    assert (record["drafter_identity"], record["markov_identity"]) == (ids[0].hex(),
+                                                                       ids[1].hex())
+    hello = hello_from_checkpoint(tmp_path, window=16, max_slots=4)
+    assert (hello.drafter_identity, hello.markov_identity) == ids
     # fp32 in memory and in the file: the identity of the tensors is the identity of the file
     assert (loaded.drafter_identity, loaded.markov_identity) == (tiny.drafter_identity,
                                                                  tiny.markov_identity)
@@ -152,7 +161,8 @@ def test_bf16_checkpoint_loads(tmp_path: Path, tiny: Drafter) -> None:
     loaded = load_drafter(tmp_path)
     assert loaded.dtype == torch.float32
     assert loaded.drafter_identity != tiny.drafter_identity  # dtype is part of the identity
-    assert (loaded.drafter_identity, loaded.markov_identity) == identities_from_checkpoint(tmp_path)
+    assert (loaded.drafter_identity, loaded.markov_identity) == identities_from_checkpoint(
+        tmp_path, use_identity_file=False)
     assert torch.equal(loaded.model.fc.weight, half.model.fc.weight.float())  # bf16 upcast
 
 
@@ -174,14 +184,19 @@ def test_embed_and_head_from_target(tmp_path: Path, tied: bool) -> None:
         target["lm_head.weight"] = tensors["lm_head.weight"]
     save_file(target, str(target_dir / "model.safetensors"))
 
-    with pytest.raises(CheckpointError, match=r"missing tensor embed_tokens\.weight .*target"):
+    with pytest.raises(CheckpointError, match=r"has no embed_tokens\.weight and no target") as info:
         load_drafter(draft_dir)
+    # The engine's HELLO from the same folder fails with the same check and the same words.
+    with pytest.raises(ValueError) as client_info:
+        hello_from_checkpoint(draft_dir, window=16, max_slots=4)
+    assert str(client_info.value) == str(info.value)
+    assert "--target-checkpoint" in str(info.value) and "target_checkpoint=" in str(info.value)
     loaded = load_drafter(draft_dir, target_checkpoint=target_dir)
     np.testing.assert_array_equal(drafts_of(loaded), drafts_of(full))
     # the target's tensors count in the identity exactly as if the drafter had them
     assert loaded.drafter_identity == full.drafter_identity
     assert (loaded.drafter_identity, loaded.markov_identity) == identities_from_checkpoint(
-        draft_dir, target_dir)
+        draft_dir, target_dir, use_identity_file=False)
 
 
 def test_target_without_the_tensors(tmp_path: Path, tiny: Drafter) -> None:
@@ -189,8 +204,34 @@ def test_target_without_the_tensors(tmp_path: Path, tiny: Drafter) -> None:
     (tmp_path / "t").mkdir()
     save_file({"model.norm.weight": torch.ones(4)}, str(tmp_path / "t" / "model.safetensors"))
     with pytest.raises(CheckpointError,
-                       match=r"missing tensor lm_head\.weight .* nor in the target"):
+                       match=r"has no lm_head\.weight, and the target checkpoint .* either"
+                       ) as info:
         load_drafter(tmp_path / "d", target_checkpoint=tmp_path / "t")
+    with pytest.raises(ValueError) as client_info:
+        hello_from_checkpoint(tmp_path / "d", window=16, max_slots=4,
+                              target_checkpoint=tmp_path / "t")
+    assert str(client_info.value) == str(info.value)
+
+
+def test_loading_says_where_embed_and_head_come_from(tmp_path: Path, tiny: Drafter,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    save_checkpoint(tiny.model, tmp_path / "d", exclude=["lm_head.weight"])
+    (tmp_path / "t").mkdir()
+    save_file({"lm_head.weight": tiny.model.state_dict()["lm_head.weight"].clone()},
+              str(tmp_path / "t" / "model.safetensors"))
+    with caplog.at_level("INFO", logger="dspark_worker.checkpoint"):
+        load_drafter(tmp_path / "d", target_checkpoint=tmp_path / "t")
+    text = caplog.text
+    assert f"embed_tokens.weight (F32 [{TINY.vocab_size}, {TINY.hidden_size}]): from the" \
+           f" drafter checkpoint, {tmp_path / 'd'}" in text
+    assert f"lm_head.weight (F32 [{TINY.vocab_size}, {TINY.hidden_size}]): from the target" \
+           f" checkpoint, {tmp_path / 't'}" in text
+    caplog.clear()
+    save_checkpoint(tiny.model, tmp_path / "full")
+    with caplog.at_level("INFO", logger="dspark_worker.checkpoint"):
+        load_drafter(tmp_path / "full", target_checkpoint=tmp_path / "t")
+    assert (f"target checkpoint {tmp_path / 't'} ignored: the drafter checkpoint has its own"
+            " embed_tokens.weight and lm_head.weight") in caplog.text
 
 
 def test_wrong_shape_named(tmp_path: Path, tiny: Drafter) -> None:
