@@ -55,7 +55,7 @@ from .config import RemoteConfig
 from .stats import Stats
 from .transport import RpcClient, TransportError, TransportTimeout, make_client
 
-__all__ = ["CONNECT_FAIL_LOG_S", "RemoteDraftClient", "StepOutcome"]
+__all__ = ["CONNECT_FAIL_LOG_S", "SIZE_SUSPECT_BYTES", "RemoteDraftClient", "StepOutcome"]
 
 log = logging.getLogger("dspark_client")
 
@@ -67,6 +67,10 @@ CONNECT_FAIL_LOG_S: Final = 60.0
 AUX_REPLY_BYTES: Final = 1 << 16
 # The HELLO reply buffer: a HelloReply fits many times over.
 HELLO_REPLY_BYTES: Final = 1 << 12
+# A STEP body above this may be refused for its size alone (a worker's --max-frame-bytes is never
+# below 64 KiB): ST_BAD_FRAME on such a STEP fails the round instead of disabling the client,
+# and DraftRounds lowers its row budget after repeated ones (7.5).
+SIZE_SUSPECT_BYTES: Final = 64 << 10
 _ENTRIES_AT: Final = wire.APP_HEADER_SIZE + STEP_HEADER_SIZE  # entries' offset in a STEP frame
 
 
@@ -261,6 +265,10 @@ class RemoteDraftClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def disable(self, reason: str) -> None:
+        """Stop remote drafting for this engine run (every round is target-only from now)."""
+        self._disable(reason)
+
     def _disable(self, reason: str) -> None:
         self.disabled_reason = reason
         self.stats.inc("remote_disabled")
@@ -399,6 +407,8 @@ class RemoteDraftClient:
             if h.status in wire.FATAL_FRAME_STATUS:
                 self._disable(f"HELLO refused: {name}{self._differences(rep)}")
                 return None
+            if h.status == wire.ST_STALE_SEQ:
+                self._session_taken(session)
             raise wire.WireError(f"HELLO refused: {name}")
         if rep is None:
             raise wire.WireError(f"HELLO reply body is {len(body)} bytes, not"
@@ -408,6 +418,24 @@ class RemoteDraftClient:
             self._disable("HELLO reply does not match this engine: " + "; ".join(problems))
             return None
         return rep
+
+    def _session_taken(self, session: int) -> None:
+        """HELLO refused ST_STALE_SEQ: the worker holds this session id with a higher seq than
+        ours, so someone else HELLOed with it (a takeover, or a replay). Our seq can never
+        catch up with theirs: the next attempt uses a new random id (an empty session, so
+        every slot resyncs)."""
+        with self._lock:
+            if self.session != session:
+                return
+            new = session
+            while new in (session, 0):
+                new = secrets.randbits(32)
+            self.session = new
+        self.stats.inc("new_sessions")
+        self.stats.inc("hello_stale_seq_total")
+        log.warning("remote DSpark: HELLO for session %#010x refused STALE_SEQ (another"
+                    " connection holds it with a higher seq); starting session %#010x",
+                    session, new)
 
     def _reply_problems(self, rep: wire.HelloReply) -> list[str]:
         ours = self.hello
@@ -579,7 +607,8 @@ class RemoteDraftClient:
                 return StepOutcome(False, reason="transport_error", unknown_apply=True,
                                    rtt_us=(time.perf_counter() - t0) * 1e6)
             rtt_us = (time.perf_counter() - t0) * 1e6
-            out = self._check_step_reply(size, seq, session, step_id, entries, sent, rtt_us)
+            out = self._check_step_reply(size, seq, session, step_id, entries, sent, rtt_us,
+                                         body_len)
             counts: dict[str, float] = {"steps": 1, "bytes_sent": wire.APP_HEADER_SIZE + body_len,
                                         "bytes_received": size}
             if out.ok and out.reply is not None:
@@ -594,7 +623,7 @@ class RemoteDraftClient:
 
     def _check_step_reply(self, size: int, seq: int, session: int, step_id: int,
                           entries: Sequence[wire.ReqEntry], sent: np.ndarray,
-                          rtt_us: float) -> StepOutcome:
+                          rtt_us: float, body_len: int = 0) -> StepOutcome:
         hello = self.hello
         try:
             h, body = wire.split_frame(memoryview(self._resp)[:size])
@@ -604,6 +633,16 @@ class RemoteDraftClient:
                                      f" session={session:#x}")
         except wire.WireError as e:
             return self._bad_reply(e, rtt_us)
+        if h.status == wire.ST_BAD_FRAME and body_len > SIZE_SUSPECT_BYTES:
+            # Possibly its size alone (the worker's frame limit): not a reason to stop for the
+            # engine run yet. The worker closes the connection after a too-large frame.
+            self.stats.inc("step_frame_bad_frame")
+            log.warning("remote DSpark: STEP of %d bytes refused BAD_FRAME (over the worker's"
+                        " frame limit?)", wire.APP_HEADER_SIZE + body_len)
+            self.mark_failed(f"STEP of {wire.APP_HEADER_SIZE + body_len} bytes refused"
+                             " BAD_FRAME")
+            return StepOutcome(False, reason="frame_bad_frame_size", rtt_us=rtt_us,
+                               status=h.status)
         if h.status != wire.ST_OK:
             return self._refused(h.status, rtt_us)
         try:
