@@ -229,8 +229,9 @@ class DraftRounds:
         if not entries:  # everything deferred: nothing to send this round
             return self._failed(n, "deferred")
         self._step_id += 1
+        # No rows (every slot only asks for drafts): the headers are the whole frame.
         out = client.step(self._headers, entries, n_rows, self._step_id, epoch=epoch,
-                          rows=self.staging[:n_rows])
+                          rows=self.staging[:n_rows] if n_rows else None)
         resynced = sum(1 for item in plan if item[2])
         synced = self._synced_epoch
         if not out.ok or out.reply is None or out.drafted is None:
