@@ -307,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-check", type=int, default=20_000, help="drafts checked at most")
     p.add_argument("--timeout-ms", type=int, default=10_000)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="an extra dspark-worker argument (repeatable): --worker-arg=--no-warmup")
     p.add_argument("--step-ms", type=float, default=2.0,
                    help="each engine's own time per round (its target step), slept")
     a = p.parse_args(argv)
@@ -322,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     worker_args = ("--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
                    "--window", str(a.window), "--max-slots", str(a.slots),
                    "--max-total-slots", str(a.engines * a.slots * 2),
-                   "--max-sessions", str(max(64, 2 * a.engines)), "--device", a.device)
+                   "--max-sessions", str(max(64, 2 * a.engines)), "--device", a.device,
+                   *a.worker_arg)
     t_start = time.monotonic()
     worker = start_worker(*worker_args, timeout=180)
     lives = [[]]  # RSS samples per worker life

@@ -177,8 +177,8 @@ def test_session_taken_with_the_largest_seq_recovers(worker: WorkerProcess,
             eng.check(reqs, res)
             for s in range(2):
                 eng.accept(s, int(rng.integers(0, max(1, int(res.num_drafted[s])))))
-            if res.ok and res.num_drafted.tolist() == [drafter.num_spec] * 2 and \
-                    c.session != victim or (not taken and n > 3 and res.ok):
+            drafting = res.ok and res.num_drafted.tolist() == [drafter.num_spec] * 2
+            if (drafting and c.session != victim) or (not taken and n > 3 and drafting):
                 recovered_after = n
                 break
             time.sleep(0.02)
@@ -215,7 +215,6 @@ def test_step_over_the_frame_limit_is_split_not_resent(drafter: Any,
                 return
             rounds = DraftRounds(c)
             eng = RealEngine(rounds, drafter, seed=13)
-            rng = np.random.default_rng(13)
             for s in range(SLOTS):
                 eng.admit(s, 100)
             seen: set[int] = set()

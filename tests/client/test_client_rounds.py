@@ -333,7 +333,7 @@ def test_bad_reply_fails_the_round_and_slots_resync(fw: FakeWorker, setup: Any, 
 
 
 def test_row_budget_goes_oldest_first(fw: FakeWorker) -> None:
-    c, rounds, eng = make(fw, max_rows_per_step=2 * W + 1)
+    c, _rounds, eng = make(fw, max_rows_per_step=2 * W + 1)
     for s in range(4):
         eng.admit(s, 20)
     res = eng.run([0, 1, 2, 3])
