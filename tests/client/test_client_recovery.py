@@ -160,6 +160,8 @@ def test_session_taken_with_the_largest_seq_recovers(worker: WorkerProcess,
             eng.admit(s, 20)
         reqs, res = eng.run([0, 1])
         assert res.ok and res.num_drafted.tolist() == [drafter.num_spec] * 2
+        for s in range(2):
+            eng.accept(s, 1)
         msg = wire.frame(wire.OP_HELLO, (1 << 64) - 1, victim, c.hello.pack())
         thief.sendall(msg)
         head = b""

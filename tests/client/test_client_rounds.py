@@ -363,6 +363,17 @@ def test_row_budget_goes_oldest_first(fw: FakeWorker) -> None:
     c.close()
 
 
+def test_round_without_rows(fw: FakeWorker, setup: Any) -> None:
+    """Slots that only ask for drafts again (no new rows): a STEP of entries alone goes out
+    (it used to fail in the transport on an empty rows part)."""
+    _c, _rounds, eng = setup
+    eng.admit(0, 5)
+    assert eng.run([0]).ok
+    res = eng.run([0])
+    assert res.ok and res.rows_sent == 0 and res.num_drafted.tolist() == [N]
+    assert last_entries(fw)[0].n_rows == 0 and fw.errors == []
+
+
 def test_resync_in_parts_below_one_window(fw: FakeWorker) -> None:
     """A row budget under W (after size refusals) sends a resync in parts, oldest rows first
     with RF_RESET, then plain entries continuing it; the slot drafts when its window reaches
