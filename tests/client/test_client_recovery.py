@@ -293,6 +293,12 @@ def test_qwen_sized_rows_over_the_frame_limit(limit: int, outcome: str) -> None:
             snap = c.stats.snapshot()
             assert len(fw.too_large) <= 14, fw.too_large
             print(f"{n} rounds, {len(fw.too_large)} refused STEPs, {snap}")
+            from dspark_client.stats import COUNTERS, GAUGES
+
+            for key, value in snap.items():  # every name written is documented for exporters
+                if isinstance(value, (int, float)):
+                    assert key in COUNTERS or key in GAUGES or key.startswith(
+                        ("rounds_failed_", "step_frame_")), key
             if outcome == "split":
                 assert seen == set(range(8)) and not c.disabled, snap
                 assert snap["row_budget"] * QWEN_ROW_BYTES < limit, snap
@@ -327,3 +333,33 @@ def test_client_and_worker_defaults_agree() -> None:
         if slots <= DEFAULT_MAX_SLOTS:
             assert largest <= frame_limit(cfg_w, QWEN_ROW_BYTES), (window, slots)
     assert default_max_rows_per_step(64, 8) == 512  # every slot's resync in one STEP
+
+
+def test_resync_in_parts_against_the_real_worker(worker: WorkerProcess, drafter: Any) -> None:
+    """A row budget under W: resyncs go in parts (RF_RESET with the oldest rows, then plain
+    continuing entries), and the drafts once a window reaches its anchor equal the reference
+    drafter's on the newest W rows, so the worker assembled the parts into the right window."""
+    assert worker.endpoint is not None
+    c = RemoteDraftClient(cfg(worker.endpoint),
+                          hello_for(drafter, window=W, max_slots=SLOTS, client_name="parts"))
+    wait_ready(c)
+    rounds = DraftRounds(c)
+    rounds.row_budget = 24  # as after size refusals
+    eng = RealEngine(rounds, drafter, seed=21)
+    try:
+        for s in range(3):
+            eng.admit(s, 100)
+        seen: set[int] = set()
+        for _ in range(40):
+            reqs, res = eng.run([0, 1, 2])
+            assert res.ok, res.reason
+            eng.check(reqs, res)
+            seen.update(s for s in range(3) if res.num_drafted[s])
+            for s in range(3):
+                eng.accept(s, 0)
+            if len(seen) == 3:
+                break
+        assert seen == {0, 1, 2} and eng.checked > 0
+        assert c.stats.get("resync_parts_total") >= 6
+    finally:
+        c.close()
