@@ -15,7 +15,10 @@ generation; its shape matches the STEP; its values keep section 6.3
 section 9.2 (``protocol.sampled.validate``) and every draw re-derives from (seed, generation,
 position) (``protocol.sampled.check_draws``). A refused reply fails the round: the connection
 is dropped and every slot of the STEP resyncs. A fatal frame status (section 5) disables remote
-drafting for the engine run.
+drafting for the engine run, except ST_BAD_FRAME on a STEP over ``SIZE_SUSPECT_BYTES``, which
+may be the worker's frame limit: that round fails and ``DraftRounds`` lowers its row budget. A
+HELLO refused ST_STALE_SEQ (the id is held with a higher seq: taken over or replayed) moves the
+client to a new random session id (7.5).
 
 Fork. Threads do not survive ``fork()`` and the lock may be held at that moment, so a client
 used from a process other than the one that made it refuses to run (``disabled_reason`` says
