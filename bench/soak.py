@@ -8,9 +8,10 @@ history: the parent recomputes a sample of them with the reference drafter (the 
 default embedded drafter, ``Drafter.reference_draft``) and any difference is a wrong draft.
 Slots finish and start new requests (new generations) as they go.
 
-Timeline of ``--duration`` seconds: steady load; from 30% a fuzz storm of ``--fuzz-frames``
-frames (mutated, truncated, oversized, garbage and bad-magic frames over many connections); at
-70% the worker is killed with SIGKILL and restarted on the same ports.
+Timeline of ``--duration`` seconds: steady load; from ``--fuzz-at`` (30%) a fuzz storm of
+``--fuzz-frames`` frames (mutated, truncated, oversized, garbage and bad-magic frames over many
+connections); at ``--kill-at`` (70%) the worker is killed with SIGKILL and restarted on the same
+ports. The run goes on until ``--duration`` and at least 30% of it after the restart.
 
 Every ``--interval`` seconds it prints: STEPs, failed rounds, RTT p50 / p99, worker RSS. At the
 end: the clients' STEPs and rows since the restart against the worker's ``/metrics``, rounds
@@ -302,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--fuzz-frames", type=int, default=100_000)
     p.add_argument("--fuzz-threads", type=int, default=4)
+    p.add_argument("--fuzz-at", type=float, default=0.3, help="fraction of --duration")
+    p.add_argument("--kill-at", type=float, default=0.7, help="fraction of --duration")
     p.add_argument("--sample-every", type=int, default=50,
                    help="check 1 in this many drafts (and all of the rounds after a reconnect)")
     p.add_argument("--max-check", type=int, default=10_000, help="drafts checked at most")
@@ -347,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     for pr in procs:
         pr.start()
     print(f"soak: {a.engines} engines x {a.slots} slots, W {a.window}, {a.duration:g} s,"
-          f" fuzz {a.fuzz_frames} frames at 30%, kill -9 at 70%; worker pid {worker.pid}",
-          flush=True)
+          f" fuzz {a.fuzz_frames} frames at {a.fuzz_at:.0%}, kill -9 at {a.kill_at:.0%};"
+          f" worker pid {worker.pid}", flush=True)
     print(f"{'t_s':>6} {'steps':>7} {'failed':>6} {'rtt_p50_ms':>10} {'rtt_p99_ms':>10}"
           f" {'worker_rss_mb':>13}  events", flush=True)
     t0 = time.monotonic()
@@ -369,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         now = time.monotonic()
         el = now - t0
-        if fuzz_thread is None and el >= 0.3 * a.duration:
+        if fuzz_thread is None and el >= a.fuzz_at * a.duration:
             fuzz_thread = threading.Thread(
                 target=fuzz_storm, args=("127.0.0.1", port, hello.pack(), a.fuzz_frames,
                                          a.fuzz_threads, fuzz_count, fuzz_stop), daemon=True)
@@ -378,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         if fuzz_thread is not None and fuzz_done_at is None and not fuzz_thread.is_alive():
             fuzz_done_at = el
             events.append(f"fuzz done ({sum(fuzz_count)} frames)")
-        if killed_at is None and el >= 0.7 * a.duration:
+        if killed_at is None and el >= a.kill_at * a.duration:
             fuzz_stop.set()  # the storm must not outlive the worker it aims at
             os.kill(worker.pid, signal.SIGKILL)
             worker.proc.wait(30)
