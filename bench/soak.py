@@ -416,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
             r = np.asarray(tick_rtts) / 1000.0
             p50 = float(np.percentile(r, 50)) if r.size else float("nan")
             p99 = float(np.percentile(r, 99)) if r.size else float("nan")
-            print(f"{time.monotonic() - t0:6.0f} {tick_steps:7d} {tick_failed:6d} {p50:10.2f}"
-                  f" {p99:10.2f} {rss / 2**20:13.1f}  {', '.join(events)}", flush=True)
+            line = (f"{time.monotonic() - t0:6.0f} {tick_steps:7d} {tick_failed:6d} {p50:10.2f}"
+                    f" {p99:10.2f} {rss / 2**20:13.1f}  {', '.join(events)}")
+            print(line.rstrip(), flush=True)
             events = []
             tick_steps = tick_failed = 0
             tick_rtts = []
