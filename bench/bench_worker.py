@@ -285,6 +285,8 @@ class NullDrafter:
 class NullConn:
     conn_id = 1
     peer = "bench"
+    peer_host = "bench"
+    session_id = 0
 
     def __init__(self) -> None:
         self.buf = bytearray(1 << 20)

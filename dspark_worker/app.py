@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import stat
 import time
 from pathlib import Path
@@ -27,11 +28,17 @@ from protocol.constants import CAP_MARGIN, CAP_TAPS_BF16, CAP_TOP32
 
 from . import __version__
 from .buffers import BufferPool, pinned_factory
-from .config import WorkerConfig, frame_limit, parse_host_port
+from .config import (
+    WorkerConfig,
+    config_warnings,
+    exposure_warning,
+    frame_limit,
+    parse_host_port,
+)
 from .dispatch import Dispatcher, WorkerInfo, rss_bytes
 from .metrics import Metrics
 from .runner import Runner, new_device_thread
-from .server import MetricsServer, WorkerServer
+from .server import MetricsServer, WorkerServer, bind_tcp, bind_unix
 from .sessions import SessionTable
 
 log = logging.getLogger("dspark_worker")
@@ -56,6 +63,12 @@ def read_secret(path: str) -> bytes:
         log.warning("auth_secret_file %s can be read by group or others (mode %o)", path,
                     stat.S_IMODE(mode))
     return raw
+
+
+def _why(exc: OSError) -> str:
+    """An OSError as the words after the colon: "address already in use", not a repr."""
+    text = exc.strerror or str(exc) or type(exc).__name__
+    return text[:1].lower() + text[1:]
 
 
 def resolve_device(name: str) -> str:
@@ -109,6 +122,8 @@ class WorkerApp:
         self.tcp_address: tuple[str, int] | None = None
         self.unix_path: str | None = None
         self.metrics_address: tuple[str, int] | None = None
+        self._tcp_sock: socket.socket | None = None  # bound before loading, served on after
+        self._unix_sock: socket.socket | None = None
 
     # -- start --------------------------------------------------------------------------------
     def health(self) -> tuple[bool, str]:
@@ -125,11 +140,14 @@ class WorkerApp:
         c = self.config
         loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
-        if c.metrics_listen:
-            self.metrics_server = MetricsServer(self.registry, self.health, self.liveness)
-            self.metrics_address = await self.metrics_server.start(
-                *parse_host_port(c.metrics_listen))
-            log.info("metrics on http://%s:%d/metrics (and /healthz)", *self.metrics_address)
+        try:
+            await self._bind_all()
+        except StartupError:
+            self._close_bound()
+            raise
+        warning = exposure_warning(c)
+        if warning:
+            log.warning("%s", warning)
         secret = read_secret(c.auth_secret_file) if c.auth_secret_file else None
         t0 = time.perf_counter()
         if self.drafter is None:
@@ -156,6 +174,8 @@ class WorkerApp:
         log.info("ring pool: %d slots x W %d = %.1f MiB (%d bytes per slot)", c.max_total_slots,
                  c.window, self.pool.nbytes / 2**20, self.pool.bytes_per_lane)
         self.metrics.window_memory.set(self.pool.nbytes)
+        for text in config_warnings(c, d.row_bytes):
+            log.warning("%s", text)
         if c.warmup:
             t1 = time.perf_counter()
             await loop.run_in_executor(self._device, d.warmup)
@@ -183,22 +203,31 @@ class WorkerApp:
                              device_thread=self._device)
         self.dispatcher = Dispatcher(info, table, self.runner, self.metrics, secret=secret,
                                      shed_queue_steps=c.shed_queue_steps,
+                                     max_frame_bytes=frame_limit(c, d.row_bytes),
                                      stats_extra=self._stats_extra)
         holder["d"] = self.dispatcher
         self.runner.start(on_death=self._runner_died)
         factory = pinned_factory() if device.startswith("cuda") else bytearray
-        self.buffers = BufferPool(factory)
+        # Keep an idle receive buffer per size class for every session held: each engine may
+        # have a large STEP in flight at once.
+        self.buffers = BufferPool(factory, idle_per_class=lambda: len(table))
         self.server = WorkerServer(self.dispatcher, self.metrics, self.buffers,
                                    max_frame_bytes=frame_limit(c, d.row_bytes),
                                    max_connections=c.max_connections,
-                                   partial_timeout_s=c.partial_frame_timeout_s)
+                                   partial_timeout_s=c.partial_frame_timeout_s,
+                                   handshake_timeout_s=c.handshake_timeout_s,
+                                   connection_idle_s=c.connection_idle_s)
         try:
             if c.listen:
-                self.tcp_address = await self.server.listen_tcp(*parse_host_port(c.listen))
+                host, port = parse_host_port(c.listen)
+                self.tcp_address = await self.server.listen_tcp(host, port, self._tcp_sock)
+                self._tcp_sock = None
             if c.unix:
-                self.unix_path = await self.server.listen_unix(c.unix)
+                self.unix_path = await self.server.listen_unix(c.unix, self._unix_sock)
+                self._unix_sock = None
         except OSError as exc:
-            raise StartupError(f"cannot listen: {exc}") from exc
+            raise StartupError(f"draft listener {c.listen or c.unix}: {_why(exc)}") from exc
+        self.server.start_sweeping()
         self._expiry_task = loop.create_task(self._expire_loop(), name="dspark-expiry")
         self.ready = True
         self.metrics.ready.set(1)
@@ -206,12 +235,57 @@ class WorkerApp:
             log.info("listening on tcp://%s:%d", *self.tcp_address)
         if self.unix_path:
             log.info("listening on unix://%s", self.unix_path)
+        if c.port_file:  # before "ready": a failure here is still a start-up failure
+            try:
+                self._write_port_file(c.port_file)
+            except OSError as exc:
+                raise StartupError(f"port file {c.port_file}: {_why(exc)}") from None
         log.info("ready: worker %r, W %d, N %d, max_slots %d, max_rows_per_step %d,"
                  " max_sessions %d, frame limit %d bytes%s", info.worker_name, c.window,
                  d.num_spec, c.max_slots, c.max_rows_per_step, c.max_sessions,
                  frame_limit(c, d.row_bytes), ", HELLO authentication on" if secret else "")
-        if c.port_file:
-            self._write_port_file(c.port_file)
+
+    async def _bind_all(self) -> None:
+        """Every listener bound and every path checked before anything slow is loaded: a busy
+        port or a missing folder is one line at once, not a traceback minutes later."""
+        c = self.config
+        for what, path in (("port file", c.port_file), ("unix socket", c.unix)):
+            if path:
+                folder = os.path.dirname(os.path.abspath(path))
+                if not os.path.isdir(folder):
+                    raise StartupError(f"{what} {path}: folder {folder} does not exist")
+                if not os.access(folder, os.W_OK | os.X_OK):
+                    raise StartupError(f"{what} {path}: folder {folder} is not writable")
+        if c.listen:
+            host, port = parse_host_port(c.listen)
+            try:
+                self._tcp_sock = bind_tcp(host, port)
+            except OSError as exc:
+                raise StartupError(f"draft listener {c.listen}: {_why(exc)}") from None
+        if c.unix:
+            try:
+                self._unix_sock = bind_unix(c.unix)
+            except OSError as exc:
+                raise StartupError(f"unix socket {c.unix}: {_why(exc)}") from None
+        if c.metrics_listen:
+            self.metrics_server = MetricsServer(self.registry, self.health, self.liveness)
+            try:
+                self.metrics_address = await self.metrics_server.start(
+                    *parse_host_port(c.metrics_listen))
+            except OSError as exc:
+                raise StartupError(f"metrics listener {c.metrics_listen}: {_why(exc)}") from None
+            log.info("metrics on http://%s:%d/metrics (and /healthz)", *self.metrics_address)
+
+    def _close_bound(self) -> None:
+        """Sockets bound by ``_bind_all`` and not yet served on (a failed start)."""
+        if self._tcp_sock is not None:
+            self._tcp_sock.close()
+            self._tcp_sock = None
+        if self._unix_sock is not None:
+            self._unix_sock.close()
+            self._unix_sock = None
+            with contextlib.suppress(OSError):
+                os.unlink(self.config.unix or "")
 
     def _runner_died(self, exc: BaseException) -> None:
         """Nothing can be drafted any more: say so on /healthz and stop, so that the
@@ -229,6 +303,8 @@ class WorkerApp:
                 "max_frame_bytes": frame_limit(c, row_bytes),
                 "session_idle_s": c.session_idle_s,
                 "partial_frame_timeout_s": c.partial_frame_timeout_s,
+                "handshake_timeout_s": c.handshake_timeout_s,
+                "connection_idle_s": c.connection_idle_s,
                 "shed_queue_steps": c.shed_queue_steps}
 
     def _stats_extra(self) -> dict[str, Any]:
@@ -246,7 +322,7 @@ class WorkerApp:
                 "window_bytes": int(self.pool.nbytes) if self.pool is not None else 0,
                 "window_used_bytes": per_lane * (table.lanes_reserved if table else 0),
                 "window_bytes_per_slot": per_lane,
-                "receive_buffers_bytes": self.buffers.allocated_bytes if self.buffers else 0,
+                "receive_buffers_bytes": self.buffers.held_bytes if self.buffers else 0,
                 "rss_bytes": rss_bytes(),
                 "device_allocated_bytes": device_bytes,
             },
@@ -281,7 +357,13 @@ class WorkerApp:
     async def run(self, install_signals: bool = True) -> int:
         """Start, serve until SIGTERM/SIGINT (or ``request_stop``), drain; the exit code."""
         loop = asyncio.get_running_loop()
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            self._close_bound()
+            with contextlib.suppress(Exception):
+                await self.stop()  # whatever had started: runner, listeners, metrics
+            raise
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal, sig)

@@ -17,8 +17,10 @@ Storage = bytearray | memoryview
 
 # Bodies below this are plain bytearrays; at and above it they come from the pool.
 POOLED_MIN_BYTES: Final = 64 << 10
-# Idle buffers kept per size class: a few connections' worth of concurrent large STEPs.
-MAX_IDLE_PER_CLASS: Final = 4
+# Idle buffers kept per size class at least: a few connections' worth of concurrent large
+# STEPs. The worker raises it to the number of sessions held (``idle_per_class``), so every
+# engine's STEP in flight finds a buffer of its class once the pool is warm.
+MIN_IDLE_PER_CLASS: Final = 4
 
 
 def _size_class(n: int) -> int:
@@ -29,26 +31,35 @@ class BufferPool:
     """Reusable bodies by power-of-two size class, at most ``max_idle_bytes`` kept idle."""
 
     def __init__(self, factory: Callable[[int], Storage] = bytearray, *,
-                 max_idle_bytes: int = 1 << 30) -> None:
+                 max_idle_bytes: int = 1 << 30,
+                 idle_per_class: Callable[[], int] | None = None) -> None:
         self._factory = factory
         self.max_idle_bytes = max_idle_bytes
+        self._idle_per_class = idle_per_class or (lambda: MIN_IDLE_PER_CLASS)
         self._idle: dict[int, list[Storage]] = {}
-        self.idle_bytes = 0
-        self.allocated_bytes = 0  # ever created by the factory, for STATS
+        self.idle_bytes = 0  # kept for reuse
+        self.in_use_bytes = 0  # handed out and not yet released
+        self.created_bytes = 0  # ever made by the factory (a running total)
         self.hits = 0
         self.misses = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Pooled receive memory held now: in use plus idle (STATS receive_buffers_bytes)."""
+        return self.in_use_bytes + self.idle_bytes
 
     def alloc(self, n: int) -> Storage:
         if n < POOLED_MIN_BYTES:
             return bytearray(n)
         size = _size_class(n)
         idle = self._idle.get(size)
+        self.in_use_bytes += size
         if idle:
             self.hits += 1
             self.idle_bytes -= size
             return idle.pop()
         self.misses += 1
-        self.allocated_bytes += size
+        self.created_bytes += size
         return self._factory(size)
 
     def release(self, storage: Storage | None) -> None:
@@ -58,8 +69,10 @@ class BufferPool:
         size = len(storage)
         if size < POOLED_MIN_BYTES or size & (size - 1):
             return  # a plain small bytearray: the garbage collector has it
+        self.in_use_bytes = max(self.in_use_bytes - size, 0)
         idle = self._idle.setdefault(size, [])
-        if len(idle) >= MAX_IDLE_PER_CLASS or self.idle_bytes + size > self.max_idle_bytes:
+        keep = max(MIN_IDLE_PER_CLASS, self._idle_per_class())
+        if len(idle) >= keep or self.idle_bytes + size > self.max_idle_bytes:
             return
         idle.append(storage)
         self.idle_bytes += size

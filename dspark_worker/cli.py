@@ -16,6 +16,8 @@ from typing import Any, Final
 
 from . import __version__
 from .config import (
+    DEFAULT_CONNECTION_IDLE_S,
+    DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_LISTEN,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_ROWS_PER_STEP,
@@ -72,14 +74,22 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
      f"open connections; more are closed at once. Default: {DEFAULT_MAX_CONNECTIONS}."),
     ("max_frame_bytes", "BYTES", int,
      "largest frame body accepted; a larger one gets ST_BAD_FRAME and the connection is"
-     " closed. Default: 0 = the largest legal STEP (max_slots entries, max_rows_per_step"
-     " rows)."),
+     " closed, and a HELLO whose largest STEP would be larger gets ST_LIMITS. Default: 0 ="
+     " the largest legal STEP (max_slots entries, max_rows_per_step rows)."),
     ("session_idle_s", "SECONDS", float,
      f"a session with no frame for this long is dropped with its windows. Default:"
      f" {DEFAULT_SESSION_IDLE_S:g}."),
     ("partial_frame_timeout_s", "SECONDS", float,
      f"a frame begun and not finished within this time closes its connection. Default:"
      f" {DEFAULT_PARTIAL_FRAME_TIMEOUT_S:g}."),
+    ("handshake_timeout_s", "SECONDS", float,
+     f"a connection that holds no session and sends no frame for this long is closed (from"
+     f" connect until its HELLO; a health checker's PING or STATS restarts the clock)."
+     f" Default: {DEFAULT_HANDSHAKE_TIMEOUT_S:g}."),
+    ("connection_idle_s", "SECONDS", float,
+     f"a connection whose session is gone (expired, replaced, HELLOed on another"
+     f" connection) and that sends no frame for this long is closed. Default:"
+     f" {DEFAULT_CONNECTION_IDLE_S:g}."),
     ("shed_queue_steps", "N", int,
      f"STEPs waiting for the device above which new STEPs apply their rows but skip"
      f" drafting (RS_SHED). Default: {DEFAULT_SHED_QUEUE_STEPS}."),

@@ -42,6 +42,14 @@ DEFAULT_SESSION_IDLE_S: Final = 600.0
 # A frame whose first byte arrived this long ago and whose last has not: the peer stalled or is
 # a slowloris; the largest legal frame (~100 MB) crosses a 1 Gb/s link in under a second.
 DEFAULT_PARTIAL_FRAME_TIMEOUT_S: Final = 30.0
+# A connection that holds no session and sends no frame for this long is closed: long enough
+# for an engine to connect and send its HELLO on a loaded host, short enough that idle or
+# abandoned sockets do not keep engines out at max_connections. A health checker's PINGs (or
+# STATS) restart the clock, so a checker that keeps its connection open stays connected.
+DEFAULT_HANDSHAKE_TIMEOUT_S: Final = 10.0
+# A connection whose session is gone (expired, replaced, re-HELLOed on another connection) and
+# that sends no frame for this long is closed: its engine had a minute to HELLO again.
+DEFAULT_CONNECTION_IDLE_S: Final = 60.0
 # STEPs waiting for the device above which new STEPs apply their rows but skip drafting
 # (RS_SHED): each waiting STEP adds its drafting to everyone's next batch, and past this depth a
 # late draft is worth less to the engine than a target-only round now.
@@ -53,6 +61,9 @@ DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
 MAX_PENDING_FRAMES_PER_CONNECTION: Final = 4
 # Bodies of frames other than STEP (HELLO 200 B, RESET 4 + 4 * slots) never need more.
 MIN_FRAME_BYTES: Final = 64 << 10
+# Largest body a connection that holds no session may send (HELLO is 160 bytes, PING, STATS and
+# GOODBYE have none): a stranger's frames cost the worker at most this much each (section 11).
+SESSIONLESS_MAX_BODY_BYTES: Final = 4 << 10
 
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEVICES: Final = ("auto", "cpu", "cuda")
@@ -92,6 +103,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_frame_bytes: int = 0  # 0: the largest legal STEP for max_slots and max_rows_per_step
     session_idle_s: float = DEFAULT_SESSION_IDLE_S
     partial_frame_timeout_s: float = DEFAULT_PARTIAL_FRAME_TIMEOUT_S
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+    connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S
     shed_queue_steps: int = DEFAULT_SHED_QUEUE_STEPS
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     listen: str | None = DEFAULT_LISTEN
@@ -143,6 +156,8 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
                     f"is below {MIN_FRAME_BYTES} bytes, too small for the frames of section 4"))
     positive_seconds("session_idle_s")
     positive_seconds("partial_frame_timeout_s")
+    positive_seconds("handshake_timeout_s")
+    positive_seconds("connection_idle_s")
     positive_seconds("shutdown_timeout_s")
     if c.device not in DEVICES and not c.device.startswith("cuda:"):
         out.append(("device", c.device, f"is not one of {', '.join(DEVICES)} or cuda:N"))
@@ -268,3 +283,44 @@ def frame_limit(config: WorkerConfig, row_bytes: int) -> int:
         return config.max_frame_bytes
     return max(MIN_FRAME_BYTES,
                max_step_body_bytes(config.max_slots, config.max_rows_per_step, row_bytes))
+
+
+def config_warnings(config: WorkerConfig, row_bytes: int) -> list[str]:
+    """Settings that are legal but cannot all be used: said once at start."""
+    out: list[str] = []
+    largest = max_step_body_bytes(config.max_slots, config.max_rows_per_step, row_bytes)
+    if config.max_frame_bytes and config.max_frame_bytes < largest:
+        out.append(f"max_frame_bytes {config.max_frame_bytes} is below the largest STEP body"
+                   f" that max_slots {config.max_slots} and max_rows_per_step"
+                   f" {config.max_rows_per_step} allow ({largest} bytes at row_bytes"
+                   f" {row_bytes}): a HELLO asking for those limits is refused ST_LIMITS")
+    if config.max_slots > config.max_total_slots:
+        out.append(f"max_slots {config.max_slots} is above max_total_slots"
+                   f" {config.max_total_slots}: a session can use at most"
+                   f" {config.max_total_slots} slots, and a HELLO asking for more gets ST_BUSY")
+    return out
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a host that only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(config: WorkerConfig) -> str | None:
+    """The loud line for a TCP listener other machines can reach with no HELLO authentication
+    (None when loopback only, or when a secret is configured)."""
+    if not config.listen or config.auth_secret_file:
+        return None
+    host, _ = parse_host_port(config.listen)
+    if is_loopback_host(host):
+        return None
+    return (f"listening on {config.listen} WITHOUT AUTHENTICATION: any host that reaches this"
+            f" port can open sessions, read STATS and use the drafter. Set auth_secret_file"
+            f" (docs/operations.md, Auth) or listen on 127.0.0.1 / a Unix socket")

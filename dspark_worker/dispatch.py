@@ -19,7 +19,8 @@ What each op does:
 * STATS (10): the JSON below, with or without a session.
 * RESET (10): the listed slots' windows (count 0: all) are dropped, in order with the STEPs.
 
-STATS JSON (UTF-8 object; fields are only ever added)::
+STATS JSON (UTF-8 object; fields are only ever added, except that a session's id and client name
+go only to its own connection)::
 
     {
       "worker_name": str, "version": str, "contract_version": 1,
@@ -30,9 +31,11 @@ STATS JSON (UTF-8 object; fields are only ever added)::
       "drafter_identity": hex, "markov_identity": hex,
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
                  "max_connections", "max_frame_bytes", "session_idle_s",
-                 "partial_frame_timeout_s", "shed_queue_steps"},
+                 "partial_frame_timeout_s", "handshake_timeout_s", "connection_idle_s",
+                 "shed_queue_steps"},
       "connections": int, "queue_steps": int,
-      "sessions": [{"session": int, "client_name": str, "sample_mode": "greedy" | "top32",
+      "sessions": [{"label": str, "session": int (own only), "client_name": str (own only),
+                    "sample_mode": "greedy" | "top32",
                     "max_slots": int, "slots_in_use": int, "connected": bool,
                     "age_s": float, "idle_s": float, "steps": int, "rows": int,
                     "drafted_positions": int}],
@@ -48,12 +51,15 @@ STATS JSON (UTF-8 object; fields are only ever added)::
                  "device_allocated_bytes": int | null}
     }
 
+``session`` and ``client_name`` appear only in the entry of the session bound to the connection
+that asked (section 11); every entry has ``label``, a keyed hash of the id (12 hex digits).
 Latency quantiles are over the last 2048 samples of each stage; ``step`` is the time from a
 STEP's last byte to its reply (the ``worker_us`` of 7.4).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -100,9 +106,10 @@ from protocol.errors import (
 )
 from protocol.framing import Frame, frame
 from protocol.header import AppHeader
-from protocol.messages import Hello, HelloReply, decode_reset, decode_step
+from protocol.messages import Hello, HelloReply, decode_step, reset_slots
 from protocol.validate import check_step_shape
 
+from .config import max_step_body_bytes
 from .metrics import Metrics
 from .runner import LaneOp, Runner, StepItem, reply_bytes
 from .sessions import DropReason, Outcome, Session, SessionTable, plan_step
@@ -117,6 +124,8 @@ class Conn(Protocol):
 
     conn_id: int
     peer: str
+    peer_host: str
+    session_id: int  # the session of the latest HELLO accepted on this connection; 0: none
 
     def reply_buffer(self, nbytes: int) -> bytearray: ...
 
@@ -169,26 +178,51 @@ class Reply:
 
 
 class RateLimitedLog:
-    """One warning per key per ``interval_s``, counting the ones held back: a flood of bad
-    frames must not become a flood of log lines."""
+    """One line per key per ``interval_s``: a flood of bad frames must not become a flood of log
+    lines. Keys name a peer host (not host:port: every new connection has a new port) and a
+    reason. What is held back is counted, and said in one line when the window ends (``flush``,
+    called every second or so, or the key's next line)."""
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0, *,
+                 clock: Callable[[], float] = time.monotonic, max_keys: int = 4096) -> None:
         self._log = logger
         self._interval = interval_s
-        self._last: dict[Any, tuple[float, int]] = {}
+        self._clock = clock
+        self._max_keys = max_keys
+        # key -> [window start, lines held back, what they are, log level]
+        self._windows: dict[Any, list[Any]] = {}
 
-    def warning(self, key: Any, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        last, held = self._last.get(key, (-1e18, 0))
-        if now - last < self._interval:
-            self._last[key] = (last, held + 1)
-            return
-        if held:
-            msg += f" ({held} more like it in the last {self._interval:.0f} s)"
-        self._last[key] = (now, 0)
-        if len(self._last) > 4096:  # keys include peers: keep the map bounded
-            self._last.clear()
-        self._log.warning(msg, *args)
+    def warning(self, key: Any, what: str, msg: str, *args: Any) -> None:
+        self._emit(logging.WARNING, key, what, msg, args)
+
+    def info(self, key: Any, what: str, msg: str, *args: Any) -> None:
+        self._emit(logging.INFO, key, what, msg, args)
+
+    def _emit(self, level: int, key: Any, what: str, msg: str, args: tuple[Any, ...]) -> None:
+        now = self._clock()
+        w = self._windows.get(key)
+        if w is not None:
+            if now - w[0] < self._interval:
+                w[1] += 1
+                return
+            self._summarise(self._windows.pop(key))
+        if len(self._windows) >= self._max_keys:  # keep the map bounded under a flood
+            self.flush(now, everything=True)
+        self._windows[key] = [now, 0, what, level]
+        self._log.log(level, msg, *args)
+
+    def flush(self, now: float | None = None, *, everything: bool = False) -> None:
+        """Say what was held back in every window that has ended."""
+        now = self._clock() if now is None else now
+        ended = [k for k, w in self._windows.items()
+                 if everything or now - w[0] >= self._interval]
+        for k in ended:
+            self._summarise(self._windows.pop(k))
+
+    def _summarise(self, w: list[Any]) -> None:
+        if w[1]:
+            self._log.log(w[3], "%d more %s were not logged (one line per %g s)",
+                          w[1], w[2], self._interval)
 
 
 def _hex8(b: bytes) -> str:
@@ -200,9 +234,15 @@ class Dispatcher:
 
     def __init__(self, info: WorkerInfo, table: SessionTable, runner: Runner, metrics: Metrics,
                  *, secret: bytes | None = None, shed_queue_steps: int = 32,
+                 max_frame_bytes: int | None = None,
                  stats_extra: Callable[[], dict[str, Any]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.info = info
+        # The frame body limit in force: a HELLO whose largest STEP is over it is refused.
+        self.max_frame_bytes = max_frame_bytes
+        # Key of the session labels in STATS: a stranger can neither read an id from a label
+        # nor find it by hashing all 2**32 of them.
+        self._label_key = os.urandom(16)
         self.table = table
         self.runner = runner
         self.metrics = metrics
@@ -270,8 +310,9 @@ class Dispatcher:
             body = self.info.hello_reply().pack()
             self.metrics.hello_refusals.labels(status=FRAME_STATUS_NAMES[status]).inc()
         self.metrics.frame(h.op, status)
-        key = (conn.peer, h.op, status)
-        self._refusal_log.warning(key, "%s seq %d session %#010x from %s refused %s: %s%s",
+        what = f"{h.op_name} {FRAME_STATUS_NAMES[status]} refusals from {conn.peer_host}"
+        self._refusal_log.warning((conn.peer_host, h.op, status), what,
+                                  "%s seq %d session %#010x from %s refused %s: %s%s",
                                   h.op_name, h.seq, h.session, conn.peer,
                                   FRAME_STATUS_NAMES[status], exc,
                                   "; closing the connection" if close else "")
@@ -305,11 +346,13 @@ class Dispatcher:
         for s, reason in result.dropped:
             self._dropped(s, reason, f"by session {h.session:#010x} from {conn.peer}")
         s = result.session
+        conn.session_id = s.session_id
         if result.outcome is not Outcome.RESUMED:
             self.runner.submit(LaneOp("allocate", s))
-        log.info("session %#010x %s: client %r from %s, %d slots, %s, seq %d",
+        log.info("session %#010x %s: client %r from %s, %d slots, %s, seq %d, label %s",
                  s.session_id, result.outcome.value, s.client_name, conn.peer, s.max_slots,
-                 SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"), h.seq)
+                 SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"), h.seq,
+                 self.session_label(s.session_id))
         resumed = result.outcome is Outcome.RESUMED
         body = self._hello_reply_ok.get(resumed)
         if body is None:
@@ -360,6 +403,15 @@ class Dispatcher:
             raise LimitsError(f"HELLO max_rows_per_step {hello.max_rows_per_step} is over the"
                               f" worker's {i.max_rows_per_step}", field="max_rows_per_step",
                               value=hello.max_rows_per_step, limit=i.max_rows_per_step)
+        limit = self.max_frame_bytes
+        need = max_step_body_bytes(hello.max_slots, hello.max_rows_per_step, i.row_bytes)
+        if limit is not None and need > limit:
+            # Accepted, the session's first full resync would be cut off at the frame limit,
+            # again after every reconnect: refuse what cannot be served, with both numbers.
+            raise LimitsError(f"HELLO max_slots {hello.max_slots} and max_rows_per_step"
+                              f" {hello.max_rows_per_step} allow a STEP body of {need} bytes;"
+                              f" the worker's frame limit is {limit} bytes",
+                              field="max_rows_per_step", value=need, limit=limit)
 
     # -- STEP (7.2) -------------------------------------------------------------------------------
     def _step(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply | None:
@@ -463,17 +515,12 @@ class Dispatcher:
         if h.session:
             s = self.table.bound(h.session, conn.conn_id, h.seq)
             self.table.touch(s, h.seq, self.clock())
-        return self._ok(h, msgspec.json.encode(self.stats()))
+        return self._ok(h, msgspec.json.encode(self.stats(viewer=conn.conn_id)))
 
     def _reset(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
         h = fr.header
         s = self.table.bound(h.session, conn.conn_id, h.seq)
-        slots = decode_reset(fr.body)
-        if len(slots) > s.max_slots:
-            raise BadFrameError(f"RESET lists {len(slots)} slots; the session has"
-                                f" {s.max_slots}", field="count", value=len(slots),
-                                limit=s.max_slots)
-        arr = np.asarray(slots, dtype=np.intp)
+        arr = reset_slots(fr.body, s.max_slots)  # count checked before anything is decoded
         if arr.size and int(arr.max()) >= s.max_slots:
             bad = int(arr[arr >= s.max_slots][0])
             raise BadFrameError(f"RESET slot {bad} is not below max_slots {s.max_slots}",
@@ -506,21 +553,39 @@ class Dispatcher:
                 reason.value if reason is not DropReason.INTERNAL else "dropped", s.client_name,
                 s.n_live, why)
 
+    def flush_logs(self, now: float | None = None) -> None:
+        self._refusal_log.flush(now)
+
     def drop_all(self, reason: DropReason = DropReason.SHUTDOWN) -> None:
         for s in self.table:
             self._drop(s, reason, "the worker is stopping")
 
     # -- STATS ------------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def session_label(self, session_id: int) -> str:
+        """A session's name in STATS and logs: a keyed hash of its id (12 hex digits) that does
+        not give the id away to whoever reads STATS (section 11)."""
+        return hashlib.blake2b(session_id.to_bytes(4, "little"), key=self._label_key,
+                               digest_size=6).hexdigest()
+
+    def stats(self, viewer: int | None = None) -> dict[str, Any]:
+        """The STATS object. Sessions are named by label; the id and client name of a session
+        are shown only to the connection it is bound to (``viewer``), since with them a
+        stranger could take the session over or drop it by client name (6.2, 11)."""
         i, now, m = self.info, self.clock(), self.metrics
-        sessions = [{
-            "session": s.session_id, "client_name": s.client_name,
-            "sample_mode": SAMPLE_MODE_NAMES.get(s.hello.sample_mode, "?"),
-            "max_slots": s.max_slots, "slots_in_use": s.n_live,
-            "connected": self.connected(s.conn_id),
-            "age_s": round(now - s.created_at, 3), "idle_s": round(now - s.last_active, 3),
-            "steps": s.steps, "rows": s.rows, "drafted_positions": s.drafted,
-        } for s in self.table]
+        sessions = []
+        for s in self.table:
+            entry: dict[str, Any] = {"label": self.session_label(s.session_id)}
+            if viewer is not None and s.conn_id == viewer:
+                entry["session"] = s.session_id
+                entry["client_name"] = s.client_name
+            entry.update({
+                "sample_mode": SAMPLE_MODE_NAMES.get(s.hello.sample_mode, "?"),
+                "max_slots": s.max_slots, "slots_in_use": s.n_live,
+                "connected": self.connected(s.conn_id),
+                "age_s": round(now - s.created_at, 3), "idle_s": round(now - s.last_active, 3),
+                "steps": s.steps, "rows": s.rows, "drafted_positions": s.drafted,
+            })
+            sessions.append(entry)
         totals: dict[str, Any] = dict(m.totals)
         totals["batches"] = self.runner.batches
         totals["refusals"] = dict(m.refusals)

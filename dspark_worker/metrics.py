@@ -20,7 +20,8 @@ dspark_worker_hello_refusals_total          counter    status: HELLOs refused
 dspark_worker_sessions_dropped_total        counter    reason: replaced, recreated, expired, ...
 dspark_worker_connections_total             counter    connections accepted
 dspark_worker_connections_refused_total     counter    connections closed at once (limit)
-dspark_worker_connections_closed_total      counter    reason: peer, bad_magic, too_large, ...
+dspark_worker_connections_closed_total      counter    reason: peer, bad_magic, too_large,
+                                                       handshake_timeout, idle_timeout, ...
 dspark_worker_sessions                      gauge      sessions held
 dspark_worker_active_slots                  gauge      slots with a live generation
 dspark_worker_connections_open              gauge      connections open
@@ -206,8 +207,13 @@ class _StepFamilies(Collector):
         m, p, t = self.m, PREFIX, self.m.totals
         frames = CounterMetricFamily(f"{p}_frames", "Frames answered, by op and frame status.",
                                      labels=["op", "status"])
+        # Ops outside OP_NAMES share the label "unknown": their counts add into one series.
+        by_label: dict[tuple[str, str], int] = {}
         for (op, status), n in sorted(dict(m.frame_counts).items()):
-            frames.add_metric([op_label(op), frame_status_label(status)], n)
+            labels = (op_label(op), frame_status_label(status))
+            by_label[labels] = by_label.get(labels, 0) + n
+        for (op_name, status_name), n in by_label.items():
+            frames.add_metric([op_name, status_name], n)
         yield frames
         req = CounterMetricFamily(f"{p}_request_status",
                                   "STEP entries answered, by request status.", labels=["status"])

@@ -7,14 +7,22 @@
   never re-assembled from chunks. Frames of one connection are answered one at a time, in order
   (the contract allows one request in flight); a few more are buffered, then reading pauses.
   Replies are written from one buffer per connection, reused while the transport holds no part
-  of it. A wrong magic closes the connection; a body over the frame limit is answered
-  ST_BAD_FRAME and closes it; a frame that stays incomplete past the partial-frame deadline
-  closes it. Everything else is answered by dispatch and the stream stays aligned.
-* ``WorkerServer`` accepts on TCP (``TCP_NODELAY``) and Unix listeners, enforces the connection
-  limit and drains on shutdown.
+  of it. A wrong magic closes the connection; a body over its limit is answered ST_BAD_FRAME
+  and closes it; a frame that stays incomplete past the partial-frame deadline closes it.
+  Everything else is answered by dispatch and the stream stays aligned.
+* Memory follows trust (section 11): a connection that holds no session may send only small
+  bodies (``SESSIONLESS_MAX_BODY_BYTES``: HELLO, PING, STATS, GOODBYE), and a body's storage is
+  taken whole from its header only for a STEP of the session this connection HELLOed; anything
+  else grows with the bytes that arrive.
+* ``WorkerServer`` accepts on TCP (``TCP_NODELAY``) and Unix listeners (sockets bound before the
+  drafter loads, see ``bind_tcp``), enforces the connection limit, closes connections that hold
+  no session and stay silent (``handshake_timeout_s``, ``connection_idle_s``) and drains on
+  shutdown.
 * ``MetricsServer`` is a small HTTP/1.0 server for ``/metrics`` (Prometheus text format),
   ``/healthz`` (readiness: 200 once the drafter is loaded and warm, 503 before and while
   draining) and ``/livez`` (liveness: 200 while the process serves, 503 once its runner died).
+  It holds at most ``MAX_HTTP_CONNECTIONS`` connections (a new one pushes out the oldest that
+  has not finished its request) and gives each request ``HTTP_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -32,12 +40,19 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from protocol.constants import OP_STEP
 from protocol.errors import FrameHeaderError, FrameTooLargeError
 from protocol.framing import Frame, FrameDecoder
+from protocol.header import AppHeader
 
 from .buffers import BufferPool
-from .config import MAX_PENDING_FRAMES_PER_CONNECTION
-from .dispatch import Buffer, Dispatcher
+from .config import (
+    DEFAULT_CONNECTION_IDLE_S,
+    DEFAULT_HANDSHAKE_TIMEOUT_S,
+    MAX_PENDING_FRAMES_PER_CONNECTION,
+    SESSIONLESS_MAX_BODY_BYTES,
+)
+from .dispatch import Buffer, Dispatcher, RateLimitedLog
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -64,8 +79,12 @@ class Connection(asyncio.BufferedProtocol):
         self.kind = kind
         self.conn_id = next(self._ids)
         self.peer = "?"
+        self.peer_host = "?"  # the peer without its port: what refusal logs are counted by
+        self.session_id = 0  # the session of the latest HELLO accepted here (dispatch sets it)
+        self.last_frame = time.monotonic()  # connect, then each complete frame
         self.transport: asyncio.Transport | None = None
-        self.decoder = FrameDecoder(max_body=server.max_frame_bytes, alloc=server.buffers.alloc)
+        self.decoder = FrameDecoder(max_body=server.max_frame_bytes, alloc=server.buffers.alloc,
+                                    limit=self._body_limit, preallocate=self._trusted)
         self.pending: deque[tuple[Frame, float]] = deque()
         self.busy = False  # a STEP of this connection is with the runner
         self.closing = False
@@ -85,8 +104,10 @@ class Connection(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple):
             self.peer = f"{peer[0]}:{peer[1]}"
+            self.peer_host = str(peer[0])
         else:
-            self.peer = f"unix:{self.server.unix_path or '?'}#{self.conn_id}"
+            self.peer_host = f"unix:{self.server.unix_path or '?'}"
+            self.peer = f"{self.peer_host}#{self.conn_id}"
         sock = transport.get_extra_info("socket")
         if self.kind == "tcp" and sock is not None:
             with contextlib.suppress(OSError):
@@ -119,6 +140,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         if frames:
             now = time.perf_counter()
+            self.last_frame = time.monotonic()
             self.pending.extend((f, now) for f in frames)
             self._pump()
         self._watch_partial(bool(frames))
@@ -158,6 +180,34 @@ class Connection(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self.write_paused = False
         self._pump()
+
+    # -- what a body may cost (section 11) ---------------------------------------------------------
+    @property
+    def has_session(self) -> bool:
+        """A session is held and bound to this connection (its latest HELLO came here)."""
+        if not self.session_id:
+            return False
+        s = self.dispatcher.table.get(self.session_id)
+        return s is not None and s.conn_id == self.conn_id
+
+    def _body_limit(self, h: AppHeader) -> tuple[int, str]:
+        if self.has_session:  # bodies other than STEP still grow only with what arrives
+            return self.server.max_frame_bytes, "(the frame limit)"
+        return SESSIONLESS_MAX_BODY_BYTES, "for a connection without a session"
+
+    def _trusted(self, h: AppHeader) -> bool:
+        """Whether a body's storage may be taken whole from its header alone."""
+        return h.op == OP_STEP and self.has_session
+
+    def idle_close_reason(self, now: float) -> str | None:
+        """Why this connection should be closed now for holding no session and staying silent
+        (None: keep it). A health checker's PINGs keep its connection open."""
+        if self.closing or self.busy or self.pending or self.has_session:
+            return None
+        silent = now - self.last_frame
+        if not self.session_id:
+            return "handshake_timeout" if silent >= self.server.handshake_timeout_s else None
+        return "idle_timeout" if silent >= self.server.connection_idle_s else None
 
     # -- what dispatch calls ----------------------------------------------------------------------
     def reply_buffer(self, nbytes: int) -> bytearray:
@@ -265,44 +315,95 @@ class WorkerServer:
     """The listeners and the set of open connections."""
 
     def __init__(self, dispatcher: Dispatcher, metrics: Metrics, buffers: BufferPool, *,
-                 max_frame_bytes: int, max_connections: int, partial_timeout_s: float) -> None:
+                 max_frame_bytes: int, max_connections: int, partial_timeout_s: float,
+                 handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+                 connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S) -> None:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.buffers = buffers
         self.max_frame_bytes = max_frame_bytes
         self.max_connections = max_connections
         self.partial_timeout_s = partial_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.connection_idle_s = connection_idle_s
         self.connections: dict[int, Connection] = {}
         self.draining = False
         self.unix_path: str | None = None
         self.tcp_address: tuple[str, int] | None = None
         self._servers: list[asyncio.AbstractServer] = []
-        self._log = _Throttle()
+        self._log = RateLimitedLog(log)
+        self._sweeper: asyncio.Task[None] | None = None
         dispatcher.connected = lambda conn_id: conn_id in self.connections
 
-    async def listen_tcp(self, host: str, port: int) -> tuple[str, int]:
+    async def listen_tcp(self, host: str, port: int,
+                         sock: socket.socket | None = None) -> tuple[str, int]:
+        """Serve on TCP: on ``sock`` (from ``bind_tcp``, bound before the drafter loaded) or on a
+        new socket for host and port."""
         loop = asyncio.get_running_loop()
-        srv = await loop.create_server(lambda: Connection(self, "tcp"), host, port,
-                                       reuse_address=True, backlog=1024)
+        if sock is None:
+            sock = bind_tcp(host, port)
+        sock.listen(1024)
+        srv = await loop.create_server(lambda: Connection(self, "tcp"), sock=sock,
+                                       backlog=1024)
         self._servers.append(srv)
         addr = srv.sockets[0].getsockname()
         self.tcp_address = (addr[0], addr[1])
         return self.tcp_address
 
-    async def listen_unix(self, path: str) -> str:
+    async def listen_unix(self, path: str, sock: socket.socket | None = None) -> str:
         loop = asyncio.get_running_loop()
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.exists(path) and _is_socket(path):
-                os.unlink(path)  # a stale socket of a previous run
-        srv = await loop.create_unix_server(lambda: Connection(self, "unix"), path, backlog=1024)
+        if sock is None:
+            sock = bind_unix(path)
+        sock.listen(1024)
+        srv = await loop.create_unix_server(lambda: Connection(self, "unix"), sock=sock,
+                                            backlog=1024)
         self._servers.append(srv)
         self.unix_path = path
         return path
 
+    # -- connections without a session --------------------------------------------------------
+    def start_sweeping(self) -> None:
+        """Close silent connections that hold no session; flush the refusal-log summaries."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop(),
+                                                                   name="dspark-sweep")
+
+    async def _sweep_loop(self) -> None:
+        interval = max(0.05, min(1.0, self.handshake_timeout_s / 4, self.connection_idle_s / 4))
+        while True:
+            await asyncio.sleep(interval)
+            self.sweep(time.monotonic())
+
+    def sweep(self, now: float) -> int:
+        closed = 0
+        for conn in list(self.connections.values()):
+            reason = conn.idle_close_reason(now)
+            if reason is None:
+                continue
+            limit = (self.handshake_timeout_s if reason == "handshake_timeout"
+                     else self.connection_idle_s)
+            self._log.info((conn.peer_host, reason), f"{reason} closes from {conn.peer_host}",
+                           "closing connection from %s: %s (no session and no frame for"
+                           " %g s)", conn.peer, reason, limit)
+            conn._close(reason)
+            closed += 1
+        self._log.flush(now)
+        self.dispatcher.flush_logs(now)
+        return closed
+
+    async def stop_sweeping(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+
     def register(self, conn: Connection) -> bool:
         if self.draining or len(self.connections) >= self.max_connections:
             self.metrics.connections_refused.inc()
-            self._log.warning("refused", "connection from %s refused: %s", conn.peer,
+            self._log.warning(("refused", conn.peer_host),
+                              f"connections refused from {conn.peer_host}",
+                              "connection from %s refused: %s", conn.peer,
                               "draining" if self.draining else
                               f"{len(self.connections)} connections open, the limit is"
                               f" {self.max_connections}")
@@ -321,11 +422,12 @@ class WorkerServer:
         log.debug("connection %d from %s closed: %s", conn.conn_id, conn.peer, reason)
 
     def bad_stream(self, conn: Connection, reason: str, detail: str) -> None:
-        self._log.warning((conn.peer, reason), "closing connection from %s: %s (%s)", conn.peer,
-                          reason, detail)
+        self._log.warning((conn.peer_host, reason), f"{reason} closes from {conn.peer_host}",
+                          "closing connection from %s: %s (%s)", conn.peer, reason, detail)
 
     async def stop_accepting(self) -> None:
         self.draining = True
+        await self.stop_sweeping()
         for srv in self._servers:
             srv.close()
         for conn in list(self.connections.values()):
@@ -358,43 +460,78 @@ def _is_socket(path: str) -> bool:
         return False
 
 
-class _Throttle:
-    """At most one warning per key per 10 s."""
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port and not yet listening: bound before the drafter loads, so
+    a busy port or a bad host is found at once, and engines are refused (not left waiting)
+    until the worker listens. Raises OSError (socket.gaierror for a host that does not
+    resolve)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
-    def __init__(self) -> None:
-        self._last: dict[Any, float] = {}
 
-    def warning(self, key: Any, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -1e18) < 10.0:
-            return
-        if len(self._last) > 4096:
-            self._last.clear()
-        self._last[key] = now
-        log.warning(msg, *args)
+def bind_unix(path: str) -> socket.socket:
+    """A Unix socket bound to ``path`` (a stale socket file of a previous run is replaced)."""
+    with contextlib.suppress(FileNotFoundError):
+        if os.path.exists(path) and _is_socket(path):
+            os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 # -- /metrics and /healthz --------------------------------------------------------------------
 # A scrape request is a request line and a few headers: anything longer is not Prometheus.
 MAX_HTTP_REQUEST_BYTES = 16 << 10
-HTTP_TIMEOUT_S = 10.0
+# A scrape sends its request at once and reads a reply of a few hundred KiB on a local network:
+# a connection that takes longer is stalled or hostile, and must not hold a slot for long.
+HTTP_TIMEOUT_S = 2.0
+# Open HTTP connections: Prometheus, a probe or two and a human need a handful. At the limit a
+# new connection pushes out the oldest one that has not sent its whole request, so idle
+# connections cannot keep a scrape out.
+MAX_HTTP_CONNECTIONS = 32
 
 
 class MetricsServer:
     """``GET /metrics`` and ``GET /healthz`` over HTTP/1.0-style one-shot connections."""
 
     def __init__(self, registry: CollectorRegistry, health: Callable[[], tuple[bool, str]],
-                 liveness: Callable[[], tuple[bool, str]] | None = None) -> None:
+                 liveness: Callable[[], tuple[bool, str]] | None = None, *,
+                 max_connections: int = MAX_HTTP_CONNECTIONS,
+                 timeout_s: float = HTTP_TIMEOUT_S) -> None:
         self.registry = registry
         self.health = health
         self.liveness = liveness or (lambda: (True, "alive"))
+        self.max_connections = max_connections
+        self.timeout_s = timeout_s
         self._server: asyncio.AbstractServer | None = None
         self.address: tuple[str, int] | None = None
+        # writer -> whether its request is still being read; in order of arrival
+        self._open: dict[asyncio.StreamWriter, bool] = {}
+        self.pushed_out = 0
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        self._server = await asyncio.start_server(self._handle, host, port,
-                                                  limit=MAX_HTTP_REQUEST_BYTES,
-                                                  reuse_address=True)
+        sock = bind_tcp(host, port)
+        sock.listen(128)
+        self._server = await asyncio.start_server(self._handle, sock=sock,
+                                                  limit=MAX_HTTP_REQUEST_BYTES)
         addr = self._server.sockets[0].getsockname()
         self.address = (addr[0], addr[1])
         return self.address
@@ -406,9 +543,21 @@ class MetricsServer:
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
             self._server = None
 
+    def _admit(self, writer: asyncio.StreamWriter) -> None:
+        if len(self._open) >= self.max_connections:
+            oldest = next((w for w, reading in self._open.items() if reading), None)
+            if oldest is not None:
+                self._open.pop(oldest)
+                self.pushed_out += 1
+                oldest.transport.abort()
+        self._open[writer] = True
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._admit(writer)
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HTTP_TIMEOUT_S)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout_s)
+            if writer in self._open:
+                self._open[writer] = False
             line = head.split(b"\r\n", 1)[0].decode("latin-1")
             parts = line.split()
             method, target = (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
@@ -427,12 +576,12 @@ class MetricsServer:
             head_out = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
             writer.write(head_out if method == "HEAD" else head_out + body)
-            await asyncio.wait_for(writer.drain(), HTTP_TIMEOUT_S)
+            await asyncio.wait_for(writer.drain(), self.timeout_s)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
                 ConnectionError, ValueError):
             pass
         finally:
+            self._open.pop(writer, None)
             writer.close()
             with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
+                await asyncio.wait_for(writer.wait_closed(), self.timeout_s)

@@ -18,6 +18,7 @@ changed) or commits; nothing is half applied.
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,15 @@ from protocol.errors import BusyError, NoSessionError, StaleSeqError
 from protocol.messages import Hello
 
 HALF_RANGE = 1 << 31  # serial-number arithmetic on u32 (RFC 1982): newer iff 0 < diff < 2**31
+# Ids of sessions the table let go, remembered with their last seq so that a HELLO for one of
+# them must carry a higher seq (6.2, 11): a captured HELLO cannot bring a dropped session back
+# and, through its client name, drop the one that replaced it. Oldest forgotten first; 16384
+# ids (about 2 MiB) outlast session_idle_s at any rate of new sessions an engine fleet makes.
+RETIRED_SESSIONS_MAX = 16384
+# Besides, the last few ids each client name let go, kept whatever other names do: the ids a
+# replay would target (an engine's previous sessions) survive a churn of other sessions.
+RETIRED_PER_NAME = 4
+RETIRED_NAMES_MAX = 4096
 
 
 class Outcome(str, enum.Enum):
@@ -181,11 +191,16 @@ class HelloResult:
 class SessionTable:
     """Every session the worker holds, by id."""
 
-    def __init__(self, *, max_sessions: int, lane_capacity: int, idle_s: float) -> None:
+    def __init__(self, *, max_sessions: int, lane_capacity: int, idle_s: float,
+                 retired_max: int = RETIRED_SESSIONS_MAX) -> None:
         self.max_sessions = max_sessions
         self.lane_capacity = lane_capacity
         self.idle_s = idle_s
+        self.retired_max = retired_max
         self._by_id: dict[int, Session] = {}
+        self._retired: OrderedDict[int, int] = OrderedDict()  # session id -> its last seq
+        # client name -> {session id: last seq} of its latest RETIRED_PER_NAME retired ids
+        self._retired_by_name: OrderedDict[str, dict[int, int]] = OrderedDict()
         self.lanes_reserved = 0
         self._active_slots = 0
 
@@ -225,6 +240,11 @@ class SessionTable:
             to_drop.append((existing, DropReason.RECREATED))
             outcome = Outcome.RECREATED
         else:
+            retired_seq = self.retired_seq(session_id, hello.client_name)
+            if retired_seq is not None and seq <= retired_seq:
+                raise StaleSeqError(
+                    f"session {session_id:#010x} was dropped; HELLO seq {seq} is not above its"
+                    f" last seq {retired_seq}", field="seq", value=seq, limit=retired_seq)
             outcome = Outcome.CREATED
         if hello.client_name:
             to_drop.extend((s, DropReason.REPLACED) for s in self._by_id.values()
@@ -244,6 +264,8 @@ class SessionTable:
             self._remove(s)
         session = Session(session_id, hello, conn_id, seq, now)
         self._by_id[session_id] = session
+        self._retired.pop(session_id, None)
+        self._retired_by_name.get(hello.client_name, {}).pop(session_id, None)
         self.lanes_reserved += session.max_slots
         return HelloResult(session, outcome, to_drop)
 
@@ -305,8 +327,30 @@ class SessionTable:
         self._remove(session)
         return True
 
+    def retired_seq(self, session_id: int, client_name: str = "") -> int | None:
+        """The last seq of a session the table let go, while it is remembered (by id, or among
+        the last ids of ``client_name``)."""
+        seq = self._retired.get(session_id)
+        if seq is None and client_name:
+            seq = self._retired_by_name.get(client_name, {}).get(session_id)
+        return seq
+
     def _remove(self, s: Session) -> None:
         del self._by_id[s.session_id]
         self.lanes_reserved -= s.max_slots
         self._active_slots -= s.n_live
         s.alive = False
+        retired = self._retired
+        last = max(s.last_seq, retired.pop(s.session_id, 0))
+        retired[s.session_id] = last
+        while len(retired) > self.retired_max:
+            retired.popitem(last=False)
+        if s.client_name:
+            by_name = self._retired_by_name.pop(s.client_name, {})
+            by_name.pop(s.session_id, None)
+            by_name[s.session_id] = last
+            while len(by_name) > RETIRED_PER_NAME:
+                del by_name[next(iter(by_name))]
+            self._retired_by_name[s.client_name] = by_name
+            while len(self._retired_by_name) > RETIRED_NAMES_MAX:
+                self._retired_by_name.popitem(last=False)

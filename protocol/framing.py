@@ -9,7 +9,12 @@ frames: bytes in, ``Frame`` objects out, no sockets. It can be driven two ways:
   into the buffer that the frame will own (from ``alloc``, e.g. a pool of pinned buffers), so a
   large rows region is never assembled from chunks.
 
-A body over ``max_body`` is refused from its header, before a byte of it is buffered.
+A body over its limit is refused from its header, before a byte of it is buffered. The limit
+is ``max_body``, or what ``limit(header)`` says for that header (the worker allows a
+connection without a session only small bodies). Memory follows the bytes that arrived: a
+header alone never makes the decoder allocate its body, unless ``preallocate(header)`` says the
+sender is trusted with it (the worker: a STEP of a session this connection HELLOed). Other
+bodies over ``PREALLOCATE_BYTES`` grow, doubling, as their bytes arrive.
 """
 
 from __future__ import annotations
@@ -27,6 +32,15 @@ Buffer = bytes | bytearray | memoryview
 
 # Bytes the decoder reads at once while it waits for headers: many small frames per receive.
 SCRATCH_BYTES: Final = 64 << 10
+# Scratch a new decoder starts with; it grows to SCRATCH_BYTES once a receive fills all of it (more
+# was waiting), so an idle or header-only connection holds a few KiB, not 64.
+INITIAL_SCRATCH_BYTES: Final = 4 << 10
+# Bodies up to this size are allocated whole from their header (cheaper than growing them); a
+# larger one, unless ``preallocate`` trusts its sender, grows with what arrives.
+PREALLOCATE_BYTES: Final = 64 << 10
+
+# limit(header) -> (largest body_len accepted for it, what the limit is, for the error message)
+LimitFn = Callable[[AppHeader], tuple[int, str]]
 
 
 def frame(op: int, seq: int, session: int, body: Buffer = b"", status: int = 0) -> bytes:
@@ -66,12 +80,17 @@ class FrameDecoder:
     not returned: with one request in flight per connection (section 2) there are none."""
 
     def __init__(self, max_body: int = DEFAULT_MAX_BODY_BYTES,
-                 alloc: Callable[[int], bytearray | memoryview] = bytearray) -> None:
+                 alloc: Callable[[int], bytearray | memoryview] = bytearray, *,
+                 limit: LimitFn | None = None,
+                 preallocate: Callable[[AppHeader], bool] | None = None) -> None:
         if max_body < 0:
             raise ValueError(f"max_body {max_body} is negative")
         self.max_body = max_body
         self._alloc = alloc
-        self._scratch = bytearray(SCRATCH_BYTES)
+        self._limit = limit
+        self._preallocate = preallocate
+        self._scratch = bytearray(INITIAL_SCRATCH_BYTES)
+        self._scratch_offered = 0  # bytes of scratch the last get_buffer handed out
         self._have = 0  # bytes held in scratch, not yet parsed
         self._header: AppHeader | None = None  # header of the frame whose body is arriving
         self._body: bytearray | memoryview | None = None
@@ -102,8 +121,13 @@ class FrameDecoder:
         """Where the next received bytes go: the rest of a body being received, or scratch."""
         self._check_usable()
         if self._body is not None and self._header is not None:
-            return memoryview(self._body)[self._body_have:self._header.body_len]
-        return memoryview(self._scratch)[self._have:]
+            if self._body_have == len(self._body):  # a growing body is full: double it
+                self._grow_body()
+            end = min(self._header.body_len, len(self._body))
+            return memoryview(self._body)[self._body_have:end]
+        view = memoryview(self._scratch)[self._have:]
+        self._scratch_offered = len(view)
+        return view
 
     def buffer_updated(self, nbytes: int) -> list[Frame]:
         """``nbytes`` were written into the last ``get_buffer``; return the frames completed."""
@@ -117,6 +141,11 @@ class FrameDecoder:
             return frames
         self._have += nbytes
         self._parse_scratch(frames)
+        if nbytes >= self._scratch_offered and len(self._scratch) < SCRATCH_BYTES:
+            # The receive filled all it was offered: more is arriving than a few KiB at a time.
+            bigger = bytearray(SCRATCH_BYTES)
+            bigger[:self._have] = self._scratch[:self._have]
+            self._scratch = bigger
         return frames
 
     # -- plain shape ------------------------------------------------------------------------------
@@ -150,20 +179,35 @@ class FrameDecoder:
                 if h.body_len > self.max_body:
                     self.error_header = h
                     raise FrameTooLargeError(
-                        f"frame body_len {h.body_len} is over the limit of {self.max_body}"
-                        f" bytes ({h.op_name}, seq {h.seq})",
+                        f"{h.op_name} frame body_len {h.body_len} is over the limit of"
+                        f" {self.max_body} bytes (seq {h.seq})",
                         field="body_len", value=h.body_len, limit=self.max_body)
+                if self._limit is not None:
+                    limit, what = self._limit(h)
+                    if h.body_len > limit:
+                        self.error_header = h
+                        raise FrameTooLargeError(
+                            f"{h.op_name} frame body_len {h.body_len} is over the limit of"
+                            f" {limit} bytes {what} (seq {h.seq})",
+                            field="body_len", value=h.body_len, limit=limit)
                 pos += APP_HEADER_SIZE
                 avail = self._have - pos
-                storage = self._alloc(h.body_len)
                 if avail >= h.body_len:
+                    storage = self._alloc(h.body_len)
                     storage[:h.body_len] = scratch[pos:pos + h.body_len]
                     pos += h.body_len
                     frames.append(Frame(h, memoryview(storage)[:h.body_len], storage))
                     self.frames_decoded += 1
                     continue
                 # Body larger than what is here: move the part received into the frame's own
-                # buffer; the rest is received straight into it.
+                # buffer; the rest is received straight into it. That buffer is the whole body
+                # only for a small body or a trusted sender; otherwise it starts at what has
+                # arrived and doubles as more does.
+                size = h.body_len
+                if size > PREALLOCATE_BYTES and not (
+                        self._preallocate is not None and self._preallocate(h)):
+                    size = min(size, max(PREALLOCATE_BYTES, 2 * avail))
+                storage = self._alloc(size) if size == h.body_len else bytearray(size)
                 storage[:avail] = scratch[pos:self._have]
                 self._header, self._body, self._body_have = h, storage, avail
                 pos = self._have
@@ -175,6 +219,16 @@ class FrameDecoder:
         if rest and pos:
             scratch[:rest] = scratch[pos:self._have]
         self._have = rest
+
+    def _grow_body(self) -> None:
+        h, old = self._header, self._body
+        if h is None or old is None:  # pragma: no cover - guarded by the caller
+            return
+        size = min(h.body_len, 2 * len(old))
+        # The last step lands in the frame's own storage (from ``alloc``), sized to the body.
+        new = self._alloc(size) if size == h.body_len else bytearray(size)
+        new[:self._body_have] = old[:self._body_have]
+        self._body = new
 
     def _emit_body(self, frames: list[Frame]) -> None:
         h, storage = self._header, self._body

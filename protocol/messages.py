@@ -355,16 +355,27 @@ def pack_reset(slots: list[int]) -> bytes:
                             field="slots") from exc
 
 
-def decode_reset(body: Buffer) -> list[int]:
-    if len(body) < 4:
-        raise BadFrameError(f"RESET body is {len(body)} bytes, shorter than its u32 count",
-                            field="body_len", value=len(body), limit=4)
+def reset_slots(body: Buffer, max_count: int | None = None) -> npt.NDArray[np.uint32]:
+    """RESET body -> its slots, a zero-copy ``<u4`` view of the body ([count]; empty: every
+    slot). ``count`` is checked against ``max_count`` and the body length before anything is
+    decoded, so a huge count costs nothing."""
+    n = len(body)
+    if n < 4:
+        raise BadFrameError(f"RESET body is {n} bytes, shorter than its u32 count",
+                            field="body_len", value=n, limit=4)
     (count,) = struct.unpack_from("<I", body)
-    if len(body) != 4 + 4 * count:
-        raise BadFrameError(f"RESET body is {len(body)} bytes; count {count} needs"
-                            f" {4 + 4 * count}", field="body_len", value=len(body),
-                            limit=4 + 4 * count)
-    return list(struct.unpack_from(f"<{count}I", body, 4))
+    if max_count is not None and count > max_count:
+        raise BadFrameError(f"RESET lists {count} slots; the session has {max_count}",
+                            field="count", value=count, limit=max_count)
+    if n != 4 + 4 * count:
+        raise BadFrameError(f"RESET body is {n} bytes; count {count} needs {4 + 4 * count}",
+                            field="body_len", value=n, limit=4 + 4 * count)
+    return np.frombuffer(body, dtype=_U32, count=count, offset=4)
+
+
+def decode_reset(body: Buffer, max_count: int | None = None) -> list[int]:
+    """RESET body -> its slots as a list (``reset_slots`` for the array)."""
+    return [int(x) for x in reset_slots(body, max_count).tolist()]
 
 
 # -- StepReply (7.4) ------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -220,7 +222,7 @@ def test_buffered_protocol_receives_a_large_body_into_the_allocated_buffer() -> 
 
     body = np.random.default_rng(1).integers(0, 256, size=3 << 20, dtype=np.uint8).tobytes()
     data = frame(OP_STEP, 11, 3, body)
-    dec = FrameDecoder(alloc=alloc)
+    dec = FrameDecoder(alloc=alloc, preallocate=lambda h: True)  # a trusted sender
     # the header and the first 1000 body bytes arrive in scratch
     first = dec.get_buffer(-1)
     first[:24 + 1000] = data[:24 + 1000]
@@ -264,3 +266,81 @@ def test_buffered_protocol_and_feed_agree(chunk: int) -> None:
     stream = b"".join(_frames(200, body_of=300)) + frame(OP_STEP, 500, 2, bytes(200_000))
     assert _summary(_receive(FrameDecoder(), stream, chunk)) == _summary(
         FrameDecoder().feed(stream))
+
+
+# -- memory follows the bytes that arrived -------------------------------------------------------
+def test_a_header_alone_allocates_no_body() -> None:
+    """A header naming a 200 MiB body makes the decoder allocate nothing for it: the storage
+    grows with the bytes that arrive (an untrusted sender can hold only what it sent)."""
+    calls: list[int] = []
+
+    def alloc(n: int) -> bytearray:
+        calls.append(n)
+        return bytearray(n)
+
+    dec = FrameDecoder(max_body=256 << 20, alloc=alloc)
+    tracemalloc.start()
+    try:
+        header = AppHeader(op=OP_STEP, seq=1, session=2, body_len=200 << 20).pack()
+        assert dec.feed(header) == []
+        assert dec.feed(b"x" * 1000) == []
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert calls == []
+    assert peak < 1 << 20, peak
+    assert dec.body_remaining == (200 << 20) - 1000
+
+
+@pytest.mark.parametrize("chunk", [1000, 65536, 100_000, 1 << 20])
+def test_a_growing_body_is_decoded_whole_into_the_allocated_storage(chunk: int) -> None:
+    allocated: list[bytearray] = []
+
+    def alloc(n: int) -> bytearray:
+        buf = bytearray(n)
+        allocated.append(buf)
+        return buf
+
+    body = np.random.default_rng(2).integers(0, 256, size=(3 << 20) + 5, dtype=np.uint8).tobytes()
+    data = frame(OP_STEP, 4, 5, body) + frame(OP_PING, 5, 5)
+    dec = FrameDecoder(alloc=alloc)
+    frames = _receive(dec, data, chunk)
+    assert [f.header.op for f in frames] == [OP_STEP, OP_PING]
+    assert bytes(frames[0].body) == body
+    # only the final, exact-size buffer came from alloc (the pool): growth steps did not
+    big = [b for b in allocated if len(b) > 64 << 10]
+    assert len(big) == 1 and len(big[0]) == len(body) and frames[0].storage is big[0]
+
+
+def test_a_limit_per_header_refuses_before_allocating() -> None:
+    calls: list[int] = []
+
+    def alloc(n: int) -> bytearray:
+        calls.append(n)
+        return bytearray(n)
+
+    def limit(h: AppHeader) -> tuple[int, str]:
+        return (4096, "for a connection without a session") if h.op != OP_PING else (0, "")
+
+    dec = FrameDecoder(max_body=64 << 20, alloc=alloc, limit=limit)
+    assert [f.header.op for f in dec.feed(frame(OP_STEP, 1, 0, b"s" * 100))] == [OP_STEP]
+    header = AppHeader(op=OP_STEP, seq=2, session=7, body_len=5000).pack()
+    with pytest.raises(FrameTooLargeError) as info:
+        dec.feed(header)
+    text = str(info.value)
+    assert "STEP" in text and "5000" in text and "4096" in text and "without a session" in text
+    assert info.value.limit == 4096 and info.value.value == 5000
+    assert dec.error_header is not None and dec.error_header.seq == 2
+    assert calls == [100]
+
+
+def test_scratch_grows_only_when_receives_fill_it() -> None:
+    from protocol.framing import INITIAL_SCRATCH_BYTES
+
+    dec = FrameDecoder()
+    assert len(dec.get_buffer(-1)) == INITIAL_SCRATCH_BYTES  # an idle connection: 4 KiB
+    dec.buffer_updated(0)
+    assert dec.feed(frame(OP_PING, 1, 0)) and len(dec.get_buffer(-1)) < SCRATCH_BYTES
+    stream = b"".join(_frames(2000, body_of=40))  # many small frames arriving together
+    frames = _receive(dec, stream, 1 << 20)
+    assert len(frames) == 2000 and len(dec.get_buffer(-1)) == SCRATCH_BYTES

@@ -50,7 +50,8 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
         'dtype = "float32"', "window = 64", "max_slots = 32", "max_rows_per_step = 128",
         "max_sessions = 4", "max_total_slots = 64", "max_connections = 8",
         "max_frame_bytes = 1000000", "session_idle_s = 10.5",
-        "partial_frame_timeout_s = 2", "shed_queue_steps = 3", "shutdown_timeout_s = 5",
+        "partial_frame_timeout_s = 2", "handshake_timeout_s = 4", "connection_idle_s = 7",
+        "shed_queue_steps = 3", "shutdown_timeout_s = 5",
         'listen = "0.0.0.0:9000"', 'unix = "/run/d.sock"', 'metrics_listen = "[::1]:9001"',
         'worker_name = "w1"', 'auth_secret_file = "/s"', 'port_file = "/p"',
         'log_level = "debug"', "warmup = false"])

@@ -162,3 +162,26 @@ def test_expiry() -> None:
     t.touch(b, 2, 12.0)
     assert t.expire(20.0) == [] and t.expire(22.0) == [b]
     assert t.lanes_reserved == 0
+
+
+def test_retired_ids_keep_their_seq_by_id_and_by_client_name() -> None:
+    """A session the table let go leaves its id and last seq behind: a HELLO for it must carry a
+    higher seq. The global memory is bounded (oldest first); the last ids of each client name
+    outlive a churn of other names' sessions."""
+    t = SessionTable(max_sessions=8, lane_capacity=64, idle_s=60.0, retired_max=2)
+    t.hello(0xA, 5, hello(name="engine-v"), conn_id=1, now=0.0)
+    t.hello(0xB, 9, hello(name="engine-v"), conn_id=1, now=1.0)  # replaces 0xA
+    assert t.retired_seq(0xA) == 5
+    with pytest.raises(StaleSeqError, match="was dropped"):
+        t.hello(0xA, 5, hello(name="engine-v"), conn_id=2, now=2.0)
+    assert t.get(0xB) is not None  # the refused replay dropped nothing
+    for i in range(10):  # other engines come and go: 0xA leaves the global memory
+        t.hello(0x100 + i, 1, hello(name=f"other-{i % 2}"), conn_id=3, now=3.0)
+    assert t.retired_seq(0xA) is None and t.retired_seq(0xA, "engine-v") == 5
+    with pytest.raises(StaleSeqError):
+        t.hello(0xA, 5, hello(name="engine-v"), conn_id=2, now=4.0)
+    assert t.get(0xB) is not None
+    # the engine's own reconnect under its old id, seq above, is a new session
+    r = t.hello(0xA, 10, hello(name="engine-v"), conn_id=1, now=5.0)
+    assert r.session.session_id == 0xA and t.get(0xB) is None
+    assert t.retired_seq(0xA, "engine-v") is None  # held again
