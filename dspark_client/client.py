@@ -408,7 +408,8 @@ class RemoteDraftClient:
         if h.status != wire.ST_OK:
             name = wire.FRAME_STATUS_NAMES.get(h.status, str(h.status))
             if h.status in wire.FATAL_FRAME_STATUS:
-                self._disable(f"HELLO refused: {name}{self._differences(rep)}")
+                self._disable(f"HELLO refused: {name}{self._differences(rep)}"
+                              + (self._limits_hint() if h.status == wire.ST_LIMITS else ""))
                 return None
             if h.status == wire.ST_STALE_SEQ:
                 self._session_taken(session)
@@ -421,6 +422,15 @@ class RemoteDraftClient:
             self._disable("HELLO reply does not match this engine: " + "; ".join(problems))
             return None
         return rep
+
+    def _limits_hint(self) -> str:
+        """What ST_LIMITS may be about beyond the HelloReply's fields: the frame limit."""
+        ours = self.hello
+        body = wire.rows_offset_for(ours.max_slots) + ours.max_rows_per_step * ours.row_bytes
+        return (f"; this engine's largest STEP is {wire.APP_HEADER_SIZE + body} bytes"
+                f" (max_slots {ours.max_slots}, max_rows_per_step {ours.max_rows_per_step},"
+                f" {ours.row_bytes}-byte rows): raise the worker's --max-frame-bytes or lower"
+                " max_rows_per_step")
 
     def _session_taken(self, session: int) -> None:
         """HELLO refused ST_STALE_SEQ: the worker holds this session id with a higher seq than

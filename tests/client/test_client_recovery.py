@@ -213,7 +213,8 @@ def test_step_over_the_frame_limit_is_split_not_resent(drafter: Any,
             while not c.ready and not c.disabled and time.monotonic() < deadline:
                 time.sleep(0.02)
             if c.disabled:  # the worker refused the HELLO: nothing is ever sent
-                assert "LIMITS" in (c.disabled_reason or ""), c.disabled_reason
+                reason = c.disabled_reason or ""
+                assert "LIMITS" in reason and "largest STEP is" in reason, reason
                 return
             rounds = DraftRounds(c)
             eng = RealEngine(rounds, drafter, seed=13)
