@@ -13,9 +13,14 @@ anchor):
                 tokens of the last round), in ms
   fill GB/s     tap-row bytes per second while filling the rings (W rows per lane, up to
                 ``--chunk-rows`` rows per apply): upload, projection and scatter together
-and the ring memory per lane. The qwen3-4b shape has random weights (no checkpoint is needed
-to time it): d 2560, 5 layers, 32/8 heads of 128, intermediate 9728, vocab 151936, 5 taps of
-hidden 2560, Markov rank 256.
+and the ring memory per lane. The large shapes have random weights (no checkpoint is needed to
+time them):
+
+- qwen3-4b: d 2560, 5 layers, 32/8 heads of 128, intermediate 9728, vocab 151936, 5 taps of
+  hidden 2560, Markov rank 256;
+- gemma4-12b (the released ``dspark_gemma4_12b_block7``): d 3840, 5 layers, 16/1 heads of 512
+  (K = V), intermediate 15360, vocab 262144, 5 taps of hidden 3840, Markov rank 256, softcap
+  30, partial RoPE; 3.4 G parameters (6.8 GB in bf16).
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ import torch
 from dspark_worker.drafter import (
     Drafter,
     DrafterConfig,
+    Gemma4Config,
     RingPool,
     SamplingParams,
     embedded_default,
     encode_bf16_rows,
 )
 from dspark_worker.drafter.embedded import init_random_
-from dspark_worker.drafter.model import build_model
+from dspark_worker.drafter.families import build_model
 
 QWEN3_4B = DrafterConfig(
     hidden_size=2560,
@@ -60,7 +66,34 @@ QWEN3_4B = DrafterConfig(
     num_target_layers=36,
 ).validated("qwen3-4b shape")
 
-SHAPES = {"tiny": (None, (1, 16, 64), 256), "qwen3-4b": (QWEN3_4B, (1, 16, 64, 256), 1024)}
+GEMMA4_12B = Gemma4Config(
+    hidden_size=3840,
+    num_hidden_layers=5,
+    num_attention_heads=16,
+    num_key_value_heads=1,  # num_global_key_value_heads (attention_k_eq_v)
+    head_dim=512,  # global_head_dim
+    intermediate_size=15360,
+    vocab_size=262144,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    target_layer_ids=(5, 17, 29, 41, 46),
+    block_size=7,
+    mask_token_id=4,
+    markov_rank=256,
+    markov_head_type="vanilla",
+    enable_confidence_head=True,
+    confidence_head_with_markov=True,
+    target_hidden_size=3840,
+    num_target_layers=48,
+    partial_rotary_factor=0.25,
+    final_logit_softcapping=30.0,
+).validated("gemma4-12b shape")
+
+SHAPES: dict[str, tuple[DrafterConfig | None, tuple[int, ...], int]] = {
+    "tiny": (None, (1, 16, 64), 256),
+    "qwen3-4b": (QWEN3_4B, (1, 16, 64, 256), 1024),
+    "gemma4-12b": (GEMMA4_12B, (1, 16, 64, 256), 1024),
+}
 STEP_ROWS = 4  # rows per lane in the "step ingest" measurement
 
 

@@ -1,12 +1,13 @@
 """The drafter's device check, one script: the GPU tests, then the CUDA benchmarks.
 
-    python bench/gpu_drafter.py            # at most 9 minutes (limits below), fits one run call
-    python bench/gpu_drafter.py --quick    # qwen3-4b at B = 1, 64 only
+    python bench/gpu_drafter.py            # under 10 minutes (limits below), fits one run call
+    python bench/gpu_drafter.py --quick    # the large shapes at B = 1, 64 only
 
 Runs, each under its own time limit so that one hang cannot eat the device budget:
-  1. pytest -m gpu tests/worker/drafter       (CUDA path of the CPU equalities)
+  1. pytest -m gpu tests/worker/drafter       (CUDA path of the CPU equalities, both families)
   2. bench_drafter --device cuda --shape tiny
-  3. bench_drafter --device cuda --shape qwen3-4b --sampled   (B = 1, 16, 64, 256, W = 1024)
+  3. bench_drafter --device cuda --shape qwen3-4b --sampled     (B = 1, 16, 64, 256, W = 1024)
+  4. bench_drafter --device cuda --shape gemma4-12b --sampled   (B = 1, 16, 64, 256, W = 1024)
 Everything printed is also written to $OUT/gpu_drafter.txt when $OUT is set. The exit status is
 the tests' (a benchmark failure is reported but does not hide a test result).
 """
@@ -48,12 +49,14 @@ def main() -> None:
     py = sys.executable
     log: list[str] = []
     tests_rc = run("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                                 "tests/worker/drafter"], 180, log)
+                                 "tests/worker/drafter"], 150, log)
     batches = "1,64" if args.quick else "1,16,64,256"
     run("tiny on cuda", [py, "bench/bench_drafter.py", "--device", "cuda", "--shape", "tiny",
-                         "--batches", "1,16,64,256", "--sampled"], 60, log)
-    run("qwen3-4b shape on cuda", [py, "bench/bench_drafter.py", "--device", "cuda", "--shape",
-                                   "qwen3-4b", "--batches", batches, "--sampled"], 300, log)
+                         "--batches", "1,16,64,256", "--sampled"], 45, log)
+    for shape, limit_s in (("qwen3-4b", 190), ("gemma4-12b", 190)):
+        run(f"{shape} shape on cuda", [py, "bench/bench_drafter.py", "--device", "cuda",
+                                       "--shape", shape, "--batches", batches, "--sampled"],
+            limit_s, log)
     out = os.environ.get("OUT")
     if out:
         Path(out, "gpu_drafter.txt").write_text("\n".join(log))

@@ -2,10 +2,13 @@
 6.4).
 
 An engine knows which drafter it wants; ``hello_from_checkpoint`` reads that checkpoint's
-``config.json`` (DeepSpec layout, with its aliases) for N, the vocabulary and the tap geometry,
-and its safetensors files for the identities, so that a worker serving anything else refuses the
-HELLO (``ST_IDENTITY`` / ``ST_GEOMETRY``) instead of drafting for the wrong model. No framework
-is loaded: the identities come from the files' raw bytes (``protocol.identity``).
+``config.json`` (DeepSpec layout, with its aliases; every model family keeps ``block_size``,
+``vocab_size``, ``target_layer_ids`` and ``hidden_size`` at the top level: the Gemma4 drafter's
+config is the target's text config, so its ``hidden_size`` is the target's) for N, the
+vocabulary and the tap geometry, and its safetensors files for the identities, so that a worker
+serving anything else refuses the HELLO (``ST_IDENTITY`` / ``ST_GEOMETRY``) instead of drafting
+for the wrong model. No framework is loaded: the identities come from the files' raw bytes
+(``protocol.identity``).
 """
 
 from __future__ import annotations

@@ -160,9 +160,10 @@ class WorkerApp:
                                    f" {type(exc).__name__}: {exc}") from exc
         d = self.drafter
         device, dtype = str(d.device), _dtype_name(d.dtype)
-        log.info("drafter %s: drafter_identity %s markov_identity %s, device %s, dtype %s,"
-                 " N %d, row_bytes %d (%d taps x %d), vocab %d, loaded in %.2f s",
-                 getattr(d, "source", c.checkpoint or "embedded"), d.drafter_identity.hex(),
+        log.info("drafter %s (%s family): drafter_identity %s markov_identity %s, device %s,"
+                 " dtype %s, N %d, row_bytes %d (%d taps x %d), vocab %d, loaded in %.2f s",
+                 getattr(d, "source", c.checkpoint or "embedded"),
+                 getattr(d, "family", "?"), d.drafter_identity.hex(),
                  d.markov_identity.hex(), device, dtype, d.num_spec, d.row_bytes, d.n_taps,
                  d.target_hidden, d.vocab_size, time.perf_counter() - t0)
         try:

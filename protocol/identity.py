@@ -25,11 +25,18 @@ from typing import Any, Final
 from .errors import BadFrameError
 
 MARKOV_PREFIX: Final = "markov_head."
-# Tensors a DeepSpec drafter checkpoint may omit, and where a target checkpoint keeps them
-# (a target with tied embeddings has no lm_head.weight: the embedding serves as both).
+# Where a multimodal target (Gemma-4's ConditionalGeneration layout, current and older
+# transformers) nests its text model's embedding.
+NESTED_TEXT_EMBEDDINGS: Final = ("model.language_model.embed_tokens.weight",
+                                 "language_model.model.embed_tokens.weight")
+# Tensors a DeepSpec drafter checkpoint may omit, and where a target checkpoint keeps them, first
+# match wins (a target with tied embeddings, Gemma-4's among them, has no lm_head.weight: the
+# embedding serves as both).
 TARGET_FALLBACKS: Final[dict[str, tuple[str, ...]]] = {
-    "embed_tokens.weight": ("model.embed_tokens.weight", "embed_tokens.weight"),
-    "lm_head.weight": ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"),
+    "embed_tokens.weight": ("model.embed_tokens.weight", "embed_tokens.weight",
+                            *NESTED_TEXT_EMBEDDINGS),
+    "lm_head.weight": ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight",
+                       *NESTED_TEXT_EMBEDDINGS),
 }
 SINGLE_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"

@@ -106,6 +106,26 @@ print(json.dumps(sorted(sys.modules)))
 """
 
 
+# The model-family seam (docs/architecture.md, "Model families"): only the family registry
+# imports a family's module; the rings, the walk, sampling, the drafter handle, the runner and
+# the rest of the worker see DraftModel and DrafterConfig alone.
+FAMILY_MODULES = {"dspark_worker.drafter.gemma4"}
+FAMILY_NAMES = {"DrafterModel", "Gemma4DrafterModel", "Gemma4Config", "expected_shapes",
+                "parse_qwen3_config"}
+FAMILY_BLIND = ["dspark_worker/drafter/rings.py", "dspark_worker/drafter/walk.py",
+                "dspark_worker/drafter/sampling.py", "dspark_worker/drafter/drafter.py",
+                "dspark_worker/runner.py", "dspark_worker/dispatch.py",
+                "dspark_worker/server.py", "dspark_worker/sessions.py", "dspark_worker/app.py"]
+
+
+@pytest.mark.parametrize("path", FAMILY_BLIND)
+def test_only_the_registry_knows_the_families(path: str) -> None:
+    modules = imported_modules(ROOT / path)
+    assert not modules & FAMILY_MODULES, f"{path} imports a model family directly"
+    names = {m.rsplit(".", 1)[-1] for m in modules if m.startswith("dspark_worker.drafter.")}
+    assert not names & FAMILY_NAMES, f"{path} imports {sorted(names & FAMILY_NAMES)}"
+
+
 def test_importing_protocol_loads_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, check=True)

@@ -11,7 +11,7 @@ The worker's entry points:
 """
 
 from .checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint, save_checkpoint
-from .config import DrafterConfig, DrafterConfigError, load_config, parse_config
+from .config import DrafterConfig, DrafterConfigError
 from .drafter import (
     Drafter,
     DraftResult,
@@ -24,25 +24,45 @@ from .drafter import (
     random_identities,
 )
 from .embedded import EMBEDDED_CONFIG, random_tensors
-from .model import DrafterModel
+from .families import (
+    FAMILIES,
+    Family,
+    build_model,
+    detect_family,
+    expected_shapes,
+    family_of,
+    load_config,
+    parse_config,
+)
+from .gemma4 import Gemma4Config, Gemma4DrafterModel
+from .model import DrafterModel, DraftModel
 from .rings import PoolExhaustedError, RingPool, decode_bf16_rows, encode_bf16_rows
 
 __all__ = [
     "EMBEDDED_CONFIG",
+    "FAMILIES",
     "CheckpointError",
+    "DraftModel",
     "DraftResult",
     "Drafter",
     "DrafterConfig",
     "DrafterConfigError",
     "DrafterModel",
+    "Family",
+    "Gemma4Config",
+    "Gemma4DrafterModel",
     "LoadedCheckpoint",
     "PoolExhaustedError",
     "RingPool",
     "SamplingParams",
+    "build_model",
     "decode_bf16_rows",
+    "detect_family",
     "embedded_default",
     "embedded_identities",
     "encode_bf16_rows",
+    "expected_shapes",
+    "family_of",
     "from_tensors",
     "load_checkpoint",
     "load_config",

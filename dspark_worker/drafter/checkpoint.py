@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from protocol.identity import (
     INDEX_FILE,
     SINGLE_FILE,
+    TARGET_FALLBACKS,
     SafetensorsError,
     TensorRef,
     checkpoint_files,
@@ -30,8 +31,9 @@ from protocol.identity import (
     tensor_index,
 )
 
-from .config import DrafterConfig, load_config
-from .model import DrafterModel, expected_shapes
+from .config import DrafterConfig
+from .families import expected_shapes, load_config
+from .model import DraftModel
 
 # safetensors dtype spellings the drafter loads (it casts to its own dtype after loading).
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -94,7 +96,8 @@ def resolve_checkpoint(checkpoint: str | Path,
         if ref is None:
             where = (f"; pass the target checkpoint to take {name} from it"
                      if name in TARGET_TENSORS and target_checkpoint is None else
-                     f" nor in the target checkpoint {target_checkpoint}"
+                     f" nor in the target checkpoint {target_checkpoint} (which holds none of"
+                     f" {list(TARGET_FALLBACKS[name])})"
                      if name in TARGET_TENSORS else "")
             raise CheckpointError(f"{directory}: missing tensor {name} (expected shape "
                                   f"{list(shape)}){where}", tensor=name, expected=shape)
@@ -141,7 +144,7 @@ def read_tensor(name: str, ref: TensorRef) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype).view(ref.shape)
 
 
-def save_checkpoint(model: DrafterModel, directory: str | Path, *,
+def save_checkpoint(model: DraftModel, directory: str | Path, *,
                     max_shard_bytes: int | None = None,
                     exclude: Iterable[str] = ()) -> list[Path]:
     """Write ``config.json`` and the weights in the DeepSpec layout: one ``model.safetensors``,

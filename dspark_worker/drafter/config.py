@@ -1,7 +1,10 @@
-"""The drafter's geometry, read from a DeepSpec-style ``config.json`` (DRAFTER.md, Checkpoints).
+"""The drafter's geometry, read from a DeepSpec-style ``config.json`` (DRAFTER.md, Checkpoints),
+and the Qwen3 family's parser.
 
-One frozen type, :class:`DrafterConfig`, validated once on load. Every refusal is a
-:class:`DrafterConfigError` whose message names the file, the field and the value, for example
+One frozen type, :class:`DrafterConfig`, validated once on load; a family whose config has more
+than this geometry subclasses it (``gemma4.Gemma4Config``), and ``families`` picks the parser.
+Every refusal is a :class:`DrafterConfigError` whose message names the file, the field and the
+value, for example
 ``config.json: num_key_value_heads 3 does not divide num_attention_heads 8``.
 
 Aliases accepted (DeepSpec, vLLM and SGLang spell some fields differently):
@@ -119,8 +122,9 @@ class DrafterConfig:
         return self
 
 
-def load_config(path: str | Path) -> DrafterConfig:
-    """Read and validate ``config.json`` (a file, or a checkpoint directory holding one)."""
+def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
+    """The object in ``config.json`` (a file, or a checkpoint directory holding one) and the
+    name errors call it by. ``families.load_config`` picks the family and parses it."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -134,12 +138,13 @@ def load_config(path: str | Path) -> DrafterConfig:
         raise DrafterConfigError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise DrafterConfigError(f"{path}: the top level is {type(raw).__name__}, not an object")
-    return parse_config(raw, source=path.name)
+    return raw, path.name
 
 
-def parse_config(raw: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
-    """Build a validated :class:`DrafterConfig` from a parsed config.json object."""
-    r = _Reader(raw, source)
+def parse_qwen3_config(raw: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
+    """Build a validated Qwen3-family :class:`DrafterConfig` from a parsed config.json object
+    (``families.parse_config`` picks the family first)."""
+    r = ConfigReader(raw, source)
     hidden_size = r.int_("hidden_size")
     num_attention_heads = r.int_("num_attention_heads")
     head_dim_default = hidden_size // num_attention_heads if num_attention_heads > 0 else 0
@@ -175,7 +180,7 @@ def parse_config(raw: Mapping[str, Any], source: str = "config.json") -> Drafter
             "confidence_head_with_markov", default=with_markov_default),
         target_hidden_size=r.int_("target_hidden_size", default=hidden_size),
         num_target_layers=r.int_("num_target_layers", default=None),
-        confidence_temperatures=_temperatures(temps, source),
+        confidence_temperatures=temperatures(temps, source),
     )
     return config.validated(source)
 
@@ -240,7 +245,7 @@ def _check_config(c: DrafterConfig, source: str) -> None:
                 fail("confidence_temperatures", list(temps), f"holds {t}; each must be > 0")
 
 
-def _temperatures(value: object, source: str) -> tuple[float, ...] | None:
+def temperatures(value: object, source: str) -> tuple[float, ...] | None:
     if value is None:
         return None
     if not isinstance(value, list) or not all(
@@ -255,7 +260,7 @@ def _temperatures(value: object, source: str) -> tuple[float, ...] | None:
 _MISSING = object()
 
 
-class _Reader:
+class ConfigReader:
     """Typed field access with aliases; every error names the field as it is spelled in the file."""
 
     def __init__(self, raw: Mapping[str, Any], source: str) -> None:

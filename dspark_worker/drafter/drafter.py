@@ -25,7 +25,8 @@ from protocol.identity import identities_from_arrays, identities_from_checkpoint
 from .checkpoint import load_checkpoint, tensor_records
 from .config import DrafterConfig
 from .embedded import EMBEDDED_CONFIG, EMBEDDED_SEED, random_tensors
-from .model import ContextSource, DenseContext, DrafterModel, build_model
+from .families import build_model, family_of
+from .model import ContextSource, DenseContext, DraftModel
 from .rings import RingPool, decode_bf16_rows
 from .walk import DeviceSampling, markov_walk
 
@@ -78,7 +79,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 class Drafter:
     """A loaded drafter on one device. Not thread-safe: one owner (the runner)."""
 
-    def __init__(self, model: DrafterModel, *, drafter_identity: bytes, markov_identity: bytes,
+    def __init__(self, model: DraftModel, *, drafter_identity: bytes, markov_identity: bytes,
                  source: str) -> None:
         self.model = model
         self.config: DrafterConfig = model.config
@@ -87,6 +88,7 @@ class Drafter:
         self.drafter_identity = drafter_identity
         self.markov_identity = markov_identity
         self.source = source
+        self.family = family_of(self.config).name  # for logs: "qwen3", "gemma4"
 
     # -- geometry (CONTRACT 6.1) --------------------------------------------------------------
     @property

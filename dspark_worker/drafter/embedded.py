@@ -19,7 +19,8 @@ import numpy.typing as npt
 import torch
 
 from .config import DrafterConfig
-from .model import DrafterModel, expected_shapes
+from .families import expected_shapes
+from .model import DraftModel
 
 EMBEDDED_SEED = 0x4453_5041_524B  # "DSPARK"
 EMBEDDED_CONFIG = DrafterConfig(
@@ -66,7 +67,7 @@ def weight_scale(name: str, shape: tuple[int, ...], config: DrafterConfig) -> tu
     """(offset, half-width) of the uniform init of one tensor: norms near 1, biases small,
     matrices with unit-variance outputs, logits and Markov bias a few units wide so that drafts
     depend on the context and on the Markov head."""
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or name.endswith(".layer_scalar"):
         return 1.0, 0.2
     if name.endswith(".bias"):
         return 0.0, 0.1
@@ -91,7 +92,7 @@ def random_tensors(config: DrafterConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def init_random_(model: DrafterModel, seed: int) -> None:
+def init_random_(model: DraftModel, seed: int) -> None:
     """Fill every weight of ``model`` in place from a torch generator on its device."""
     device = model.fc.weight.device
     gen = torch.Generator(device=device)

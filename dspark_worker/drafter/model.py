@@ -1,4 +1,5 @@
-"""The DSpark drafter network, Qwen3 family (DRAFTER.md, "The draft step").
+"""The DSpark drafter network: the interface every model family provides (:class:`DraftModel`)
+and the Qwen3 family (DRAFTER.md, "The draft step").
 
 Module and parameter names follow the DeepSpec checkpoint layout exactly, so ``state_dict()`` keys
 are the safetensors keys (``layers.0.self_attn.q_proj.weight`` ...). The numerics mirror
@@ -26,7 +27,7 @@ j, also for the rnn head.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -134,14 +135,77 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-class DrafterModel(nn.Module):
-    """The drafter's weights and its two forward pieces: :meth:`project_context` (ingest) and
-    :meth:`backbone` (one block for B lanes). Inference only; build with :func:`build_model`."""
+class DraftModel(nn.Module):
+    """What the rings, the Markov walk and the drafter need of a model family (docs/
+    architecture.md, "Model families"). A family subclasses it and provides:
 
+    - the shared modules under their checkpoint names: ``embed_tokens``, ``fc``,
+      ``hidden_norm``, ``layers``, ``norm``, ``lm_head``, ``markov_head`` (or None),
+      ``confidence_head`` (or None); ``config`` (a :class:`DrafterConfig`, whose
+      ``num_hidden_layers``, ``num_key_value_heads`` and ``head_dim`` size the rings);
+    - :meth:`inv_freq_values`: its rotary frequencies (used by :meth:`rope`);
+    - :meth:`project_context_kv`: tap rows -> the K/V a ring stores, every layer at once;
+    - :meth:`backbone`: one block for B lanes against a :class:`ContextSource`;
+    - :meth:`logits`: the base logits U (fp32) that the Markov bias is added to.
+    """
+
+    config: DrafterConfig
+    embed_tokens: nn.Embedding
+    fc: nn.Linear
+    lm_head: nn.Linear
+    markov_head: MarkovHead | None
+    confidence_head: ConfidenceHead | None
     inv_freq: Tensor  # [hd/2] fp32, non-persistent (init_buffers)
+    confidence_temperature: Tensor  # [block_size] fp32, non-persistent (init_buffers)
+
+    # -- buffers that are not weights --------------------------------------------------------
+    def init_buffers(self) -> None:
+        """(Re)make the non-persistent buffers on the weights' device. Call after loading."""
+        c = self.config
+        device = self.fc.weight.device
+        self.register_buffer("inv_freq", self.inv_freq_values(device), persistent=False)
+        temps = c.confidence_temperatures or (1.0,) * c.block_size
+        self.register_buffer(
+            "confidence_temperature",
+            torch.tensor(temps, dtype=torch.float32, device=device),  # [block_size]
+            persistent=False,
+        )
+
+    def inv_freq_values(self, device: torch.device) -> Tensor:  # pragma: no cover - interface
+        """The rotary inverse frequencies [head_dim / 2], fp32."""
+        raise NotImplementedError
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [..., hd] in the model dtype for int64 positions [...]."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [..., hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [..., hd]
+        dtype = self.fc.weight.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    # -- the forward pieces -------------------------------------------------------------------
+    def project_context_kv(self, taps: Tensor, positions: Tensor
+                           ) -> Tensor:  # pragma: no cover - interface
+        """taps [R, tap_width] (model dtype), positions [R] int64 -> the ring's K and V
+        [2, L, R, kv_heads, head_dim], non-finite values replaced by 0."""
+        raise NotImplementedError
+
+    def backbone(self, block_ids: Tensor, block_pos: Tensor,
+                 context: ContextSource) -> Tensor:  # pragma: no cover - interface
+        """block_ids, block_pos [B, N] int64 -> final hidden states hf [B, N, d]."""
+        raise NotImplementedError
+
+    def logits(self, hf: Tensor) -> Tensor:
+        out: Tensor = self.lm_head(hf).float()  # [..., V] fp32
+        return out
+
+
+class DrafterModel(DraftModel):
+    """The Qwen3 family: the drafter's weights and its two forward pieces:
+    :meth:`project_context` (ingest) and :meth:`backbone` (one block for B lanes). Inference
+    only; build with ``families.build_model``."""
+
     _fused: tuple[Tensor, Tensor]  # project_context_kv's weights, rebuilt when they change
     _fused_key: tuple[tuple[int, int], ...] | None = None
-    confidence_temperature: Tensor  # [block_size] fp32, non-persistent (init_buffers)
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -162,28 +226,12 @@ class DrafterModel(nn.Module):
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
 
-    # -- buffers that are not weights --------------------------------------------------------
-    def init_buffers(self) -> None:
-        """(Re)make the non-persistent buffers on the weights' device. Call after loading."""
+    def inv_freq_values(self, device: torch.device) -> Tensor:
         c = self.config
-        device = self.fc.weight.device
         # HF Qwen3RotaryEmbedding "default": computed in fp32 exactly this way.
         exponent = torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=device).float()
-        inv_freq = 1.0 / (c.rope_theta ** (exponent / c.head_dim))  # [hd/2]
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        temps = c.confidence_temperatures or (1.0,) * c.block_size
-        self.register_buffer(
-            "confidence_temperature",
-            torch.tensor(temps, dtype=torch.float32, device=device),  # [block_size]
-            persistent=False,
-        )
-
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [..., hd] in the model dtype for int64 positions [...]."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [..., hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [..., hd]
-        dtype = self.fc.weight.dtype
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        inv_freq: Tensor = 1.0 / (c.rope_theta ** (exponent / c.head_dim))  # [hd/2]
+        return inv_freq
 
     # -- ingest -------------------------------------------------------------------------------
     def project_context(self, taps: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -269,12 +317,7 @@ class DrafterModel(nn.Module):
         h = self.embed_tokens(block_ids)  # [B, N, d]
         cos, sin = self.rope(block_pos)  # [B, N, hd]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, N, hd]
-        # Additive mask over [context ; block]: the block sees every valid context slot and the
-        # whole block (no causal mask).
-        s = context.valid.shape[1]
-        ctx_bias = torch.zeros((b, s), dtype=torch.float32, device=h.device)  # [B, S]
-        ctx_bias.masked_fill_(~context.valid, float("-inf"))
-        ctx_bias = ctx_bias.view(b, 1, 1, s)  # [B, 1, 1, S]
+        ctx_bias = context_bias(context.valid)  # [B, 1, 1, S]
         for index, layer in enumerate(self.decoder_layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)  # [B, N, d]
@@ -290,12 +333,7 @@ class DrafterModel(nn.Module):
             k = k * cos + rotate_half(k) * sin  # [B, Hkv, N, D]
             v = v.transpose(1, 2)  # [B, Hkv, N, D]
             k_ctx, v_ctx = context.layer(index)  # [B, Hkv, S, D] each
-            s_ctx = torch.matmul(q, k_ctx.transpose(-1, -2)) * self.scaling  # [B, Hkv, G*N, S]
-            s_blk = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # [B, Hkv, G*N, N]
-            s_ctx = s_ctx.float() + ctx_bias  # [B, Hkv, G*N, S]
-            scores = torch.cat([s_ctx, s_blk.float()], dim=-1)  # [B, Hkv, G*N, S+N]
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, Hkv, G*N, S+N]
-            out = torch.matmul(probs[..., :s], v_ctx) + torch.matmul(probs[..., s:], v)
+            out = attend(q, k, v, k_ctx, v_ctx, ctx_bias, self.scaling)  # [B, Hkv, G*N, D]
             out = out.view(b, c.num_attention_heads, n, hd)  # [B, H, N, D]
             out = out.transpose(1, 2).reshape(b, n, c.num_attention_heads * hd)  # [B, N, H*D]
             h = h + attn.o_proj(out)  # [B, N, d]
@@ -303,9 +341,29 @@ class DrafterModel(nn.Module):
         hf: Tensor = self.norm(h)  # [B, N, d]
         return hf
 
-    def logits(self, hf: Tensor) -> Tensor:
-        out: Tensor = self.lm_head(hf).float()  # [..., V] fp32
-        return out
+
+def context_bias(valid: Tensor) -> Tensor:
+    """The additive mask over [context ; block] for valid [B, S] bool: the block sees every
+    valid context slot and the whole block (no causal mask). -> [B, 1, 1, S] fp32."""
+    b, s = valid.shape
+    bias = torch.zeros((b, s), dtype=torch.float32, device=valid.device)  # [B, S]
+    bias.masked_fill_(~valid, float("-inf"))
+    return bias.view(b, 1, 1, s)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, k_ctx: Tensor, v_ctx: Tensor, ctx_bias: Tensor,
+           scaling: float) -> Tensor:
+    """Block attention over [context ; block] with no causal mask, the heads of one KV group
+    side by side: q [B, Hkv, G*N, D], k, v [B, Hkv, N, D], k_ctx, v_ctx [B, Hkv, S, D],
+    ctx_bias [B, 1, 1, S] -> [B, Hkv, G*N, D]. Scores and softmax in fp32."""
+    s = k_ctx.shape[-2]
+    s_ctx = torch.matmul(q, k_ctx.transpose(-1, -2)) * scaling  # [B, Hkv, G*N, S]
+    s_blk = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, Hkv, G*N, N]
+    s_ctx = s_ctx.float() + ctx_bias  # [B, Hkv, G*N, S]
+    scores = torch.cat([s_ctx, s_blk.float()], dim=-1)  # [B, Hkv, G*N, S+N]
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, Hkv, G*N, S+N]
+    out: Tensor = torch.matmul(probs[..., :s], v_ctx) + torch.matmul(probs[..., s:], v)
+    return out
 
 
 class ContextSource:
@@ -328,16 +386,20 @@ class DenseContext(ContextSource):
         return self.k[index], self.v[index]
 
 
-def build_model(config: DrafterConfig, tensors: dict[str, Tensor] | None, *,
-                device: torch.device | str, dtype: torch.dtype) -> DrafterModel:
-    """A :class:`DrafterModel` holding ``tensors`` (keys = the checkpoint layout, already
+M = TypeVar("M", bound=DraftModel)
+
+
+def instantiate(model_type: type[M], config: DrafterConfig, tensors: dict[str, Tensor] | None,
+                *, device: torch.device | str, dtype: torch.dtype) -> M:
+    """A ``model_type`` holding ``tensors`` (keys = the checkpoint layout, already
     shape-checked) cast to ``dtype`` on ``device``; with ``tensors=None`` the weights are left
-    uninitialised (the caller fills them)."""
+    uninitialised (the caller fills them). ``families.build_model`` picks ``model_type``."""
     with torch.device("meta"):
-        model = DrafterModel(config)
+        model = model_type(config)
     if tensors is None:
-        model.to_empty(device=device)
+        # dtype first, on the meta device: no full-size fp32 copy is ever allocated
         model.to(dtype=dtype)
+        model.to_empty(device=device)
     else:
         state = {name: t.to(device=device, dtype=dtype) for name, t in tensors.items()}
         model.load_state_dict(state, strict=True, assign=True)
@@ -348,7 +410,7 @@ def build_model(config: DrafterConfig, tensors: dict[str, Tensor] | None, *,
 
 
 def expected_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the checkpoint layout with its shape, in the DeepSpec key names."""
+    """Every tensor of the Qwen3 checkpoint layout with its shape, in the DeepSpec key names."""
     d, v, hd = c.hidden_size, c.vocab_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
     shapes: dict[str, tuple[int, ...]] = {
@@ -373,6 +435,14 @@ def expected_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (c.intermediate_size, d),
             p + "mlp.down_proj.weight": (d, c.intermediate_size),
         })
+    shapes.update(head_shapes(c))
+    return shapes
+
+
+def head_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """The Markov and confidence heads' tensors, the same in every family."""
+    d, v = c.hidden_size, c.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {}
     r = c.markov_rank
     if c.has_markov_head:
         shapes["markov_head.markov_w1.weight"] = (v, r)

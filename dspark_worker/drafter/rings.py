@@ -4,7 +4,7 @@ steps 4 and 5, section 8; DRAFTER.md "Inputs from the target").
 One :class:`RingPool` serves every session: a lane is one slot's window, and a batch of lanes
 from several sessions gathers from the same two tensors. Rows are projected once on arrival (one
 batched ``fc -> hidden_norm -> k/v`` for all rows of a STEP and every layer at once,
-``DrafterModel.project_context_kv``) and scattered to ring index
+``DraftModel.project_context_kv``) and scattered to ring index
 ``position % W``; attention never needs the ring in position order (there is no causal mask and
 RoPE is already in K), only the mask of valid slots.
 
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from protocol.errors import BusyError
 
-from .model import ContextSource, DrafterModel
+from .model import ContextSource, DraftModel
 
 IntArray = npt.NDArray[np.int64]
 
@@ -71,7 +71,7 @@ class RingPool:
     ``kv``, reserved up front (``nbytes``). Lane ids are numpy int64 arrays. Not thread-safe:
     one owner (the runner)."""
 
-    def __init__(self, model: DrafterModel, capacity_lanes: int, window: int) -> None:
+    def __init__(self, model: DraftModel, capacity_lanes: int, window: int) -> None:
         if capacity_lanes <= 0:
             raise ValueError(f"capacity_lanes {capacity_lanes} must be positive")
         if window <= 0:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import sampling
-from .model import DrafterModel
+from .model import DraftModel
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class WalkOutput:
     logits: Tensor | None = None  # [B, N, V] fp32 corrected logits z, when asked for
 
 
-def markov_walk(model: DrafterModel, hf: Tensor, logits: Tensor, anchor_token: Tensor,
+def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor, anchor_token: Tensor,
                 sampled: DeviceSampling | None, keep_logits: bool = False) -> WalkOutput:
     """hf [B, N, d] (model dtype), logits U [B, N, V] fp32, anchor_token [B] int64.
     ``keep_logits`` also returns every position's corrected logits (tests, diagnostics)."""

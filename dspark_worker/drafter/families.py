@@ -1,0 +1,107 @@
+"""Model families: the one place that reads a checkpoint's config.json, picks the family and
+builds its model (docs/architecture.md, "Model families").
+
+A family is its config parser, its checkpoint layout (every tensor name with its shape) and
+its :class:`~.model.DraftModel` subclass. The rings, the Markov walk, sampling, the runner and
+the protocol see only :class:`~.config.DrafterConfig` geometry and the ``DraftModel``
+interface. A family is picked from ``model_type`` and ``architectures``; a config.json with
+neither is the Qwen3 layout (the first DSpark checkpoints wrote no ``model_type``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import gemma4
+from .config import DrafterConfig, DrafterConfigError, parse_qwen3_config, read_config_json
+from .model import DrafterModel, DraftModel, instantiate
+from .model import expected_shapes as qwen3_shapes
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # config.json ``model_type`` values it claims
+    architectures: tuple[str, ...]  # config.json ``architectures`` entries it claims
+    config_type: type[DrafterConfig]
+    parse: Callable[[Mapping[str, Any], str], DrafterConfig]
+    expected_shapes: Callable[[DrafterConfig], dict[str, tuple[int, ...]]]
+    model_type: type[DraftModel]
+
+
+QWEN3 = Family(
+    name="qwen3",
+    model_types=("qwen3",),
+    architectures=("Qwen3DSparkModel",),
+    config_type=DrafterConfig,
+    parse=parse_qwen3_config,
+    expected_shapes=qwen3_shapes,
+    model_type=DrafterModel,
+)
+GEMMA4 = Family(
+    name="gemma4",
+    model_types=gemma4.MODEL_TYPES,
+    architectures=gemma4.ARCHITECTURES,
+    config_type=gemma4.Gemma4Config,
+    parse=gemma4.parse_gemma4_config,
+    expected_shapes=gemma4.gemma4_shapes,
+    model_type=gemma4.Gemma4DrafterModel,
+)
+FAMILIES: tuple[Family, ...] = (QWEN3, GEMMA4)
+
+
+def detect_family(raw: Mapping[str, Any], source: str = "config.json") -> Family:
+    """The family a parsed config.json belongs to. ``architectures`` decides where it names a
+    known drafter class; else ``model_type``; a config with neither is Qwen3."""
+    archs = raw.get("architectures")
+    if isinstance(archs, list):
+        for family in FAMILIES:
+            if any(a in family.architectures for a in archs):
+                return family
+    model_type = raw.get("model_type")
+    if model_type is None:
+        return QWEN3
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    known = sorted(t for f in FAMILIES for t in f.model_types)
+    raise DrafterConfigError(
+        f"{source}: model_type {model_type!r} (architectures {archs!r}) is not a drafter family"
+        f" the worker serves (model_type one of {known})", field="model_type", value=model_type)
+
+
+def family_of(config: DrafterConfig) -> Family:
+    """The family of a parsed config (by its exact type)."""
+    for family in FAMILIES:
+        if type(config) is family.config_type:
+            return family
+    raise TypeError(f"no model family parses into {type(config).__name__}")
+
+
+def parse_config(raw: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
+    """A validated config of the family ``raw`` belongs to."""
+    return detect_family(raw, source).parse(raw, source)
+
+
+def load_config(path: str | Path) -> DrafterConfig:
+    """Read, recognise and validate ``config.json`` (a file, or a checkpoint directory)."""
+    raw, source = read_config_json(path)
+    return parse_config(raw, source)
+
+
+def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the config's checkpoint layout with its shape."""
+    return family_of(config).expected_shapes(config)
+
+
+def build_model(config: DrafterConfig, tensors: dict[str, Tensor] | None, *,
+                device: torch.device | str, dtype: torch.dtype) -> DraftModel:
+    """The family's model holding ``tensors`` (checkpoint layout, shape-checked) cast to
+    ``dtype`` on ``device``; ``tensors=None`` leaves the weights uninitialised."""
+    return instantiate(family_of(config).model_type, config, tensors, device=device, dtype=dtype)
