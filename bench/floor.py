@@ -70,7 +70,8 @@ def raw_server(listener: socket.socket, req: int, rep: int, hold_s: float = 0.0)
     reply (as the worker computes between a STEP's last byte and its reply) and put the time
     held, in seconds, in the reply's first 8 bytes (as the worker reports worker_us)."""
     conn, _ = listener.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if conn.family != socket.AF_UNIX:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = memoryview(bytearray(req))
     out = bytearray(rep)
     while _recv_exact(conn, buf):
@@ -84,29 +85,44 @@ def raw_server(listener: socket.socket, req: int, rep: int, hold_s: float = 0.0)
     conn.close()
 
 
-def _raw_server_proc(port_q: Any, req: int, rep: int, hold_s: float) -> None:
-    ls = socket.create_server(("127.0.0.1", 0))
-    port_q.put(ls.getsockname()[1])
+def _listener(unix_path: str | None) -> socket.socket:
+    if unix_path is None:
+        return socket.create_server(("127.0.0.1", 0))
+    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ls.bind(unix_path)
+    ls.listen(1)
+    return ls
+
+
+def _raw_server_proc(port_q: Any, req: int, rep: int, hold_s: float,
+                     unix_path: str | None = None) -> None:
+    ls = _listener(unix_path)
+    port_q.put(ls.getsockname()[1] if unix_path is None else 0)
     raw_server(ls, req, rep, hold_s)
 
 
 def bench_raw(req: int, rep: int, iters: int, process: bool,
-              hold_s: float = 0.0) -> tuple[float, float]:
-    """RTT p50/p99 in µs of the raw echo; with ``hold_s``, RTT minus the time the server held
-    each request (compare with the worker's RTT - worker_us)."""
+              hold_s: float = 0.0, unix_path: str | None = None) -> tuple[float, float]:
+    """RTT p50/p99 in µs of the raw echo (over TCP, or the Unix socket ``unix_path``); with
+    ``hold_s``, RTT minus the time the server held each request (compare with the worker's
+    RTT - worker_us)."""
     if process:
         q: Any = mp.get_context("fork").Queue()
         p = mp.get_context("fork").Process(target=_raw_server_proc,
-                                           args=(q, req, rep, hold_s))
+                                           args=(q, req, rep, hold_s, unix_path))
         p.start()
         port = q.get(timeout=10)
     else:
-        ls = socket.create_server(("127.0.0.1", 0))
-        port = ls.getsockname()[1]
+        ls = _listener(unix_path)
+        port = ls.getsockname()[1] if unix_path is None else 0
         t = threading.Thread(target=raw_server, args=(ls, req, rep, hold_s), daemon=True)
         t.start()
-    c = socket.create_connection(("127.0.0.1", port))
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if unix_path is None:
+        c = socket.create_connection(("127.0.0.1", port))
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    else:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(unix_path)
     payload = bytes(req)
     reply = memoryview(bytearray(rep))
     times = []

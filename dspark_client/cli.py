@@ -364,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-client",
                                 description="Talk to a DSpark draft worker.")
     p.add_argument("--endpoint", default=os.environ.get("DSPARK_ENDPOINT"),
-                   help="tcp://HOST:PORT or unix:///PATH (default: $DSPARK_ENDPOINT or"
+                   help="tcp://HOST:PORT, unix:///PATH or unix+shm:///PATH (rows through"
+                        " shared memory on the same host) (default: $DSPARK_ENDPOINT or"
                         f" {DEFAULT_ENDPOINT})")
     p.add_argument("--timeout", type=_positive_float, default=2.0,
                    help="seconds for a connect and for each request (default 2)")
@@ -394,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="0: greedy; > 0: sampled with exact rejection sampling")
     demo.add_argument("--batch", type=_positive_int, default=1, help="sequences at once")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--shm", action="store_true",
+                      help="the worker the demo starts serves a Unix socket and the rows go"
+                           " through shared memory (unix+shm://); with --endpoint, give"
+                           " unix+shm:///PATH instead")
     demo.add_argument("--target", default=None,
                       help="a reference target folder (default: the one shipped)")
     return p

@@ -26,6 +26,13 @@ so): make a new client, with its own ``client_name``, in the child.
 
 Reply arrays returned by ``step()`` are numpy views over the client's reply buffer: they stay
 valid until the next ``step()`` of this client.
+
+Shared-memory rows (section 13). With a ``unix+shm://`` endpoint the client makes one sealed
+memfd for the run (``dspark_client.shm``) and, after each accepted HELLO whose reply offers
+``CAP_SHM_ROWS``, attaches it to the connection (OFFER, then MAP with the descriptor). STEPs on
+such a connection carry ``SF_ROWS_SHM`` and the rows' offset instead of the rows: rows passed
+to ``step()`` that lie in the region (``rows_buffer``) are sent as they are, other rows are
+copied into it first. Any refusal of the attach means rows on the socket for that connection.
 """
 
 from __future__ import annotations
@@ -48,15 +55,18 @@ import numpy.typing as npt
 
 from protocol import wire
 from protocol.auth import sign_hello
-from protocol.constants import STEP_HEADER_SIZE
+from protocol.constants import CAP_SHM_ROWS, STEP_HEADER_SIZE
 from protocol.messages import ENTRY_DTYPE, SampleMeta, reply_layout
 from protocol.sampled import check_draws
 from protocol.sampled import validate as validate_sampled
+from protocol.shm import ROWS_ALIGN, set_rows_at
 from protocol.validate import check_reply_values
 
 from .config import RemoteConfig
+from .shm import ShmRegion, shm_available
+from .shm import attach as shm_attach
 from .stats import Stats
-from .transport import RpcClient, TransportError, TransportTimeout, make_client
+from .transport import RpcClient, TransportError, TransportTimeout, make_client, parse_endpoint
 
 __all__ = ["CONNECT_FAIL_LOG_S", "SIZE_SUSPECT_BYTES", "RemoteDraftClient", "StepOutcome"]
 
@@ -177,6 +187,17 @@ class RemoteDraftClient:
         self._fail_logged = 0.0
         self._resp = bytearray(self._step_reply_bytes())
         self._aux = bytearray(AUX_REPLY_BYTES)
+        # Section 13: one region for the run, attached to each connection to a unix+shm://
+        # endpoint whose worker offers CAP_SHM_ROWS; _shm_conn is the connection it is attached
+        # to (None: rows go on the socket).
+        self._shm: ShmRegion | None = None
+        self._shm_conn: RpcClient | None = None
+        if any(parse_endpoint(ep).shm for ep in self._endpoints):
+            if shm_available():
+                self._shm = ShmRegion(hello.max_rows_per_step * hello.row_bytes)
+            else:
+                log.warning("remote DSpark: unix+shm endpoints need memfd_create (Linux);"
+                            " rows go on the socket")
         self._thread: threading.Thread | None = None
         self._finalizer = weakref.finalize(self, _shutdown, self._shared)
         if background:
@@ -283,6 +304,7 @@ class RemoteDraftClient:
 
     def _drop_conn_locked(self) -> None:
         conn, self._shared.conn = self._shared.conn, None
+        self._shm_conn = None
         if conn is not None:
             conn.close()
         self._ready = False
@@ -357,6 +379,8 @@ class RemoteDraftClient:
             if rep is None:
                 conn.close()
                 return False
+            shm_ok = self._attach_shm(conn, endpoint, rep, session,
+                                      max(deadline - time.monotonic(), 1e-3))
         except (TransportError, wire.WireError, OSError) as e:
             if conn is not None:
                 conn.close()
@@ -370,6 +394,7 @@ class RemoteDraftClient:
             if not stale:
                 self._drop_conn_locked()
                 self._shared.conn = conn
+                self._shm_conn = conn if shm_ok else None
                 self._ready = True
                 self.epoch += 1
                 epoch = self.epoch
@@ -449,6 +474,54 @@ class RemoteDraftClient:
         log.warning("remote DSpark: HELLO for session %#010x refused STALE_SEQ (another"
                     " connection holds it with a higher seq); starting session %#010x",
                     session, new)
+
+    def _attach_shm(self, conn: RpcClient, endpoint: str, rep: wire.HelloReply, session: int,
+                    timeout: float) -> bool:
+        """Attach the rows region to a fresh connection (13.2) when the endpoint asks for it and
+        the worker offers it. A refusal is no failure: rows go on the socket."""
+        region = self._shm
+        if region is None or not parse_endpoint(endpoint).shm:
+            return False
+        if not rep.capabilities & CAP_SHM_ROWS:
+            self._shm_fallback(f"worker {rep.worker_name!r} at {endpoint} does not offer"
+                               " shared-memory rows (CAP_SHM_ROWS)")
+            return False
+        ok, why = shm_attach(conn, region, session, self._next_seq, timeout)
+        if not ok:
+            self._shm_fallback(why)
+            return False
+        self.stats.inc("shm_attached")
+        self.stats.set("rows_transport", "shm")
+        return True
+
+    def _shm_fallback(self, why: str) -> None:
+        self.stats.inc("shm_fallbacks")
+        self.stats.set("rows_transport", "socket")
+        self.stats.set("shm_fallback_reason", why)
+        log.warning("remote DSpark: rows go on the socket: %s", why)
+
+    @property
+    def rows_in_shm(self) -> bool:
+        """Whether the ready connection takes STEP rows from the shared-memory region."""
+        return self._shm_conn is not None and self._shm_conn is self._shared.conn
+
+    def rows_buffer(self, n: int) -> npt.NDArray[np.uint8]:
+        """``uint8 [n, row_bytes]`` to write a STEP's rows into: on a ``unix+shm://`` endpoint a
+        view of the shared-memory region (the same memory for the whole run, across
+        reconnects), so a ``step(rows=...)`` of it sends no row bytes at all; elsewhere a plain
+        array. Rows written here must stay untouched until that STEP's ``step()`` returns.
+        An engine can page-lock it for its device-to-host copy once (docs/operations.md)."""
+        if not 0 <= n <= self.hello.max_rows_per_step:
+            raise ValueError(f"{n} rows: not in 0..max_rows_per_step"
+                             f" {self.hello.max_rows_per_step}")
+        if self._shm is None:
+            return np.empty((n, self.hello.row_bytes), np.uint8)
+        return self._shm.rows(n, self.hello.row_bytes)
+
+    @property
+    def shm_region(self) -> ShmRegion | None:
+        """The run's region (None without a ``unix+shm://`` endpoint)."""
+        return self._shm
 
     def _reply_problems(self, rep: wire.HelloReply) -> list[str]:
         ours = self.hello
@@ -576,11 +649,16 @@ class RemoteDraftClient:
                                    entries if isinstance(entries, list) else list(entries),
                                    n_rows, row_bytes, step_flags, sample_meta=sample_meta)
         body_len = ro + n_rows * row_bytes
-        if rows is None:
+        shm_at = self._rows_at(conn, rows, n_rows * row_bytes) if n_rows else None
+        if shm_at is not None:  # section 13: the rows stay where they are, the prefix travels
+            set_rows_at(buf, wire.APP_HEADER_SIZE, shm_at)
+            body_len = ro
+            parts: tuple[Any, ...] = (memoryview(buf)[:wire.APP_HEADER_SIZE + ro],)
+        elif rows is None:
             if len(buf) < wire.APP_HEADER_SIZE + body_len:
                 raise ValueError(f"buffer of {len(buf)} bytes cannot hold a"
                                  f" {wire.APP_HEADER_SIZE + body_len}-byte STEP")
-            parts: tuple[Any, ...] = (memoryview(buf)[:wire.APP_HEADER_SIZE + body_len],)
+            parts = (memoryview(buf)[:wire.APP_HEADER_SIZE + body_len],)
         else:
             nbytes = rows.nbytes if hasattr(rows, "nbytes") else len(rows)
             if nbytes != n_rows * row_bytes:
@@ -624,6 +702,8 @@ class RemoteDraftClient:
                                          body_len)
             counts: dict[str, float] = {"steps": 1, "bytes_sent": wire.APP_HEADER_SIZE + body_len,
                                         "bytes_received": size}
+            if shm_at is not None:
+                counts["steps_shm"] = 1
             if out.ok and out.reply is not None:
                 counts["steps_ok"] = 1
                 counts["rtt_us_total"] = rtt_us
@@ -633,6 +713,24 @@ class RemoteDraftClient:
             return out
         finally:
             self._io_lock.release()
+
+    def _rows_at(self, conn: RpcClient, rows: Any, nbytes: int) -> int | None:
+        """Where this STEP's rows lie in the region when the connection takes them from there
+        (copied in first when the caller's rows are elsewhere), else None."""
+        region = self._shm
+        if region is None or rows is None or conn is not self._shm_conn:
+            return None
+        have = rows.nbytes if hasattr(rows, "nbytes") else len(rows)
+        if have != nbytes:
+            raise ValueError(f"rows hold {have} bytes, the STEP needs {nbytes}")
+        at = region.offset_of(rows)
+        if at is None or at % ROWS_ALIGN:
+            src = (rows.reshape(-1).view(np.uint8) if isinstance(rows, np.ndarray)
+                   else np.frombuffer(memoryview(rows).cast("B"), np.uint8))
+            region.array[:nbytes] = src
+            self.stats.inc("shm_rows_copied")
+            at = 0
+        return at
 
     def _check_step_reply(self, size: int, seq: int, session: int, step_id: int,
                           entries: Sequence[wire.ReqEntry], sent: np.ndarray,

@@ -157,8 +157,9 @@ class DraftRounds:
         self.sampled = h.sample_mode == wire.SAMPLE_TOP32
         self.ring = TapRing(h.max_slots, h.window, h.row_bytes)
         # Rows go out from here: one gather per round, then scatter-gather send.
-        self.staging: npt.NDArray[np.uint8] = np.empty((h.max_rows_per_step, h.row_bytes),
-                                                       np.uint8)
+        # On a unix+shm:// endpoint this is the shared-memory region (section 13), so the gather
+        # is the only copy of a round's rows and nothing crosses the socket.
+        self.staging: npt.NDArray[np.uint8] = client.rows_buffer(h.max_rows_per_step)
         self._headers = bytearray(wire.APP_HEADER_SIZE + wire.rows_offset_for(h.max_slots))
         self._step_id = 0
         # Per slot: the engine's generation of its current request (None: free), what the

@@ -51,6 +51,10 @@ COUNTERS: Final[dict[str, str]] = {
                                 " (a frame limit below the STEP)",
     "row_budget_cuts_total": "times the row budget was halved after size refusals",
     "row_budget_probes_total": "times a lowered row budget was doubled again to try",
+    "step_frame_bad_frame": "STEPs answered ST_BAD_FRAME (step_frame_<status> for the others)",
+    "shm_attached": "connections whose rows go through the shared-memory region",
+    "shm_fallbacks": "times shared-memory rows were refused or unavailable: rows on the socket",
+    "shm_rows_copied": "STEPs whose rows were copied into the shared-memory region first",
 }
 GAUGES: Final[dict[str, str]] = {
     "starved_slots_now": "slots left out of more rounds in a row than fair_bound_rounds - 1,"

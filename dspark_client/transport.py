@@ -2,7 +2,9 @@
 
 One connection, one request in flight, replies in order. What this module owns:
 
-* endpoints: ``tcp://host:port`` (``tcp://[::1]:7600`` for IPv6) and ``unix:///path``;
+* endpoints: ``tcp://host:port`` (``tcp://[::1]:7600`` for IPv6), ``unix:///path``, and
+  ``unix+shm:///path``: a Unix socket whose STEP rows go through a shared-memory region
+  (section 13; ``dspark_client.shm``; the connection itself is the Unix one);
 * ``connect(timeout)``: TCP_NODELAY on TCP, the connecting process's PID remembered;
 * ``request(msg, buf, timeout)`` / ``request_parts(parts, buf, timeout)``: send the parts with
   ``socket.sendmsg`` (scatter-gather: a STEP goes out as [headers, rows] and the rows are never
@@ -29,6 +31,7 @@ bodies.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import os
 import socket
@@ -91,13 +94,15 @@ class RpcClient(Protocol):
 
 
 class Endpoint:
-    """A parsed endpoint: ``kind`` "tcp" with ``host``/``port``, or "unix" with ``path``."""
+    """A parsed endpoint: ``kind`` "tcp" with ``host``/``port``, or "unix" with ``path``;
+    ``shm``: rows through a shared-memory region when the worker offers it (section 13)."""
 
-    __slots__ = ("host", "kind", "path", "port", "text")
+    __slots__ = ("host", "kind", "path", "port", "shm", "text")
 
     def __init__(self, text: str, kind: str, host: str = "", port: int = 0,
-                 path: str = "") -> None:
+                 path: str = "", shm: bool = False) -> None:
         self.text, self.kind, self.host, self.port, self.path = text, kind, host, port, path
+        self.shm = shm
 
     def __repr__(self) -> str:
         return f"Endpoint({self.text!r})"
@@ -110,8 +115,8 @@ def parse_endpoint(endpoint: str) -> Endpoint:
         raise EndpointError(f"endpoint {endpoint!r} is not a string")
 
     def bad(why: str) -> EndpointError:
-        return EndpointError(f"endpoint {endpoint!r}: {why} (expected tcp://HOST:PORT or"
-                             " unix:///PATH)")
+        return EndpointError(f"endpoint {endpoint!r}: {why} (expected tcp://HOST:PORT,"
+                             " unix:///PATH or unix+shm:///PATH)")
 
     if endpoint.startswith("tcp://"):
         rest = endpoint[len("tcp://"):]
@@ -134,13 +139,15 @@ def parse_endpoint(endpoint: str) -> Endpoint:
         if not 1 <= port <= 65535:
             raise bad(f"port {port} outside 1..65535")
         return Endpoint(endpoint, "tcp", host=host, port=port)
-    if endpoint.startswith("unix://"):
-        path = endpoint[len("unix://"):]
+    for scheme in ("unix://", "unix+shm://"):
+        if not endpoint.startswith(scheme):
+            continue
+        path = endpoint[len(scheme):]
         if not path.startswith("/"):
-            raise bad("a Unix socket path must be absolute (unix:///run/dspark.sock)")
+            raise bad(f"a Unix socket path must be absolute ({scheme}/run/dspark.sock)")
         if len(os.fsencode(path)) > 107:  # sun_path holds 108 bytes with the NUL
             raise bad(f"path is {len(os.fsencode(path))} bytes, over the 107-byte sun_path limit")
-        return Endpoint(endpoint, "unix", path=path)
+        return Endpoint(endpoint, "unix", path=path, shm=scheme == "unix+shm://")
     scheme = endpoint.partition("://")[0] if "://" in endpoint else ""
     raise bad(f"unknown scheme {scheme!r}" if scheme else "no scheme")
 
@@ -235,7 +242,16 @@ class SocketClient:
     def request(self, msg: Buffer, buf: bytearray, timeout: float) -> int:
         return self.request_parts((msg,), buf, timeout)
 
-    def request_parts(self, parts: Sequence[Any], buf: bytearray, timeout: float) -> int:
+    def request_fds(self, msg: Buffer, fds: Sequence[int], buf: bytearray,
+                    timeout: float) -> int:
+        """``request`` with descriptors passed along with the message's first bytes
+        (``SCM_RIGHTS``, Unix sockets only): the MAP frame of section 13."""
+        if self.endpoint.kind != "unix":
+            raise TransportError(f"{self.endpoint.text}: descriptors go over Unix sockets only")
+        return self.request_parts((msg,), buf, timeout, fds=fds)
+
+    def request_parts(self, parts: Sequence[Any], buf: bytearray, timeout: float,
+                      fds: Sequence[int] = ()) -> int:
         """Send ``parts`` back to back as one frame, receive one reply frame into ``buf`` (grown
         when the reply is larger) and return the reply's length in bytes. Parts are any
         C-contiguous buffers (bytes, bytearray, memoryview, numpy arrays); none is copied."""
@@ -243,7 +259,7 @@ class SocketClient:
         views = [_byte_view(p) for p in parts]
         sock = self._usable_socket(deadline)
         try:
-            self._send_all(sock, views, deadline)
+            self._send_all(sock, views, deadline, fds)
             return self._recv_frame(sock, buf, deadline)
         except TransportError:
             self._abort()
@@ -283,15 +299,22 @@ class SocketClient:
             self._sock = sock
         return sock
 
-    def _send_all(self, sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+    def _send_all(self, sock: socket.socket, views: list[memoryview], deadline: float,
+                  fds: Sequence[int] = ()) -> None:
         # Drop empty parts; sendmsg may send any prefix of the rest, so advance through them.
         pending = [v for v in views if v.nbytes]
+        # Descriptors ride on the first sendmsg only (with its first byte).
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransportTimeout(f"{self.endpoint.text}: deadline passed while sending")
             sock.settimeout(remaining)
-            sent = sock.sendmsg(pending[:_IOV_MAX])
+            if ancillary:
+                sent = sock.sendmsg(pending[:_IOV_MAX], ancillary)
+                ancillary = []
+            else:
+                sent = sock.sendmsg(pending[:_IOV_MAX])
             while sent:
                 head = pending[0]
                 if sent >= head.nbytes:
@@ -355,6 +378,8 @@ def _byte_view(part: Any) -> memoryview:
     view = part if isinstance(part, memoryview) else memoryview(part)
     if view.format == "B" and view.ndim == 1:
         return view
+    if not view.nbytes:  # e.g. rows[:0] of a [n, row_bytes] array: cast refuses zero shapes
+        return memoryview(b"")
     if not view.c_contiguous:
         raise ValueError(f"a part of shape {view.shape} with strides {view.strides} is not"
                          " C-contiguous; sendmsg cannot send it without a copy")
@@ -362,7 +387,8 @@ def _byte_view(part: Any) -> memoryview:
 
 
 def make_client(endpoint: str, **kwargs: Any) -> SocketClient:
-    """A transport for ``endpoint`` (``tcp://host:port`` or ``unix:///path``), not yet
+    """A transport for ``endpoint`` (``tcp://host:port``, ``unix:///path`` or
+    ``unix+shm:///path``: the same Unix socket; the region is the client's business), not yet
     connected. Raises EndpointError for an endpoint it cannot speak."""
     ep = parse_endpoint(endpoint)
     if ep.kind == "unix" and not hasattr(socket, "AF_UNIX"):  # pragma: no cover - Windows

@@ -40,6 +40,7 @@ from .metrics import Metrics
 from .runner import Runner, new_device_thread
 from .server import MetricsServer, WorkerServer, bind_tcp, bind_unix
 from .sessions import SessionTable
+from .shm import ShmOps, cuda_host_register
 
 log = logging.getLogger("dspark_worker")
 
@@ -202,10 +203,12 @@ class WorkerApp:
                              complete=lambda item: holder["d"].complete(item),
                              on_batch=lambda s, e: holder["d"].record_batch(s, e),
                              device_thread=self._device)
+        shm = ShmOps(c.max_shm_region_bytes if c.unix else 0,
+                     register=cuda_host_register if device.startswith("cuda") else None)
         self.dispatcher = Dispatcher(info, table, self.runner, self.metrics, secret=secret,
                                      shed_queue_steps=c.shed_queue_steps,
                                      max_frame_bytes=frame_limit(c, d.row_bytes),
-                                     stats_extra=self._stats_extra)
+                                     stats_extra=self._stats_extra, shm=shm)
         holder["d"] = self.dispatcher
         self.runner.start(on_death=self._runner_died)
         factory = pinned_factory() if device.startswith("cuda") else bytearray
@@ -302,6 +305,7 @@ class WorkerApp:
                 "max_sessions": c.max_sessions, "max_total_slots": c.max_total_slots,
                 "max_connections": c.max_connections,
                 "max_frame_bytes": frame_limit(c, row_bytes),
+                "max_shm_region_bytes": c.max_shm_region_bytes if c.unix else 0,
                 "session_idle_s": c.session_idle_s,
                 "partial_frame_timeout_s": c.partial_frame_timeout_s,
                 "handshake_timeout_s": c.handshake_timeout_s,

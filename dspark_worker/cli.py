@@ -22,6 +22,7 @@ from .config import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_ROWS_PER_STEP,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_SHM_REGION_BYTES,
     DEFAULT_MAX_SLOTS,
     DEFAULT_MAX_TOTAL_SLOTS,
     DEFAULT_METRICS_LISTEN,
@@ -76,6 +77,10 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
      "largest frame body accepted; a larger one gets ST_BAD_FRAME and the connection is"
      " closed, and a HELLO whose largest STEP would be larger gets ST_LIMITS. Default: 0 ="
      " the largest legal STEP (max_slots entries, max_rows_per_step rows)."),
+    ("max_shm_region_bytes", "BYTES", int,
+     f"largest shared-memory rows region (a sealed memfd) one Unix connection may attach"
+     f" (section 13); larger gets ST_LIMITS. 0 offers none. Default:"
+     f" {DEFAULT_MAX_SHM_REGION_BYTES}."),
     ("session_idle_s", "SECONDS", float,
      f"a session with no frame for this long is dropped with its windows. Default:"
      f" {DEFAULT_SESSION_IDLE_S:g}."),

@@ -61,6 +61,11 @@ DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
 MAX_PENDING_FRAMES_PER_CONNECTION: Final = 4
 # Bodies of frames other than STEP (HELLO 200 B, RESET 4 + 4 * slots) never need more.
 MIN_FRAME_BYTES: Final = 64 << 10
+# Section 13: the largest shared-memory rows region one Unix connection may attach. The region
+# is the client's memory (the worker maps it, it allocates nothing), so this bounds address
+# space and what one connection can make the device read: the largest legal STEP's rows at the
+# default limits (4096 rows of Qwen3-8B's 40 KiB) fit. 0 offers no regions (no CAP_SHM_ROWS).
+DEFAULT_MAX_SHM_REGION_BYTES: Final = 256 << 20
 # Largest body a connection that holds no session may send (HELLO is 160 bytes, PING, STATS and
 # GOODBYE have none): a stranger's frames cost the worker at most this much each (section 11).
 SESSIONLESS_MAX_BODY_BYTES: Final = 4 << 10
@@ -101,6 +106,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_total_slots: int = DEFAULT_MAX_TOTAL_SLOTS
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_frame_bytes: int = 0  # 0: the largest legal STEP for max_slots and max_rows_per_step
+    max_shm_region_bytes: int = DEFAULT_MAX_SHM_REGION_BYTES
     session_idle_s: float = DEFAULT_SESSION_IDLE_S
     partial_frame_timeout_s: float = DEFAULT_PARTIAL_FRAME_TIMEOUT_S
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
@@ -155,6 +161,9 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
         out.append(("max_frame_bytes", c.max_frame_bytes,
                     f"is below {MIN_FRAME_BYTES} bytes, too small for the frames of section 4"))
     positive_seconds("session_idle_s")
+    if isinstance(c.max_shm_region_bytes, bool) or c.max_shm_region_bytes < 0:
+        out.append(("max_shm_region_bytes", c.max_shm_region_bytes,
+                    "is negative (0 offers no shared-memory regions)"))
     positive_seconds("partial_frame_timeout_s")
     positive_seconds("handshake_timeout_s")
     positive_seconds("connection_idle_s")

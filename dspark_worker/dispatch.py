@@ -44,7 +44,8 @@ go only to its own connection)::
                  "refusals": {"<OP>:<STATUS>": int},
                  "request_status": {"OK" | "PARTIAL_WINDOW" | ...: int},
                  "sessions_dropped": {"replaced" | "recreated" | "expired" | ...: int}},
-      "latency_us": {"decode" | "queue" | "apply" | "draft" | "encode" | "step":
+      "latency_us": {"decode" | "queue" | "apply" | "draft" | "encode" | "step" |
+                     "to_device" | "from_device":
                      {"count": int, "p50_us", "p90_us", "p99_us", "max_us": float}},
       "memory": {"window_bytes": int, "window_used_bytes": int, "window_bytes_per_slot": int,
                  "receive_buffers_bytes": int, "rss_bytes": int,
@@ -73,11 +74,13 @@ import numpy as np
 from protocol.auth import verify_hello
 from protocol.constants import (
     APP_HEADER_SIZE,
+    CAP_SHM_ROWS,
     FRAME_STATUS_NAMES,
     IDENTITY_BYTES,
     OP_HELLO,
     OP_PING,
     OP_RESET,
+    OP_SHM_ATTACH,
     OP_STATS,
     OP_STEP,
     REQ_STATUS_NAMES,
@@ -85,6 +88,7 @@ from protocol.constants import (
     SAMPLE_GREEDY,
     SAMPLE_MODE_NAMES,
     SAMPLE_TOP32,
+    SF_ROWS_SHM,
     ST_INTERNAL,
     ST_NO_SESSION,
     ST_OK,
@@ -106,13 +110,15 @@ from protocol.errors import (
 )
 from protocol.framing import Frame, frame
 from protocol.header import AppHeader
-from protocol.messages import Hello, HelloReply, decode_step, reset_slots
+from protocol.messages import Hello, HelloReply, StepView, decode_step, reset_slots
+from protocol.shm import decode_step_shm
 from protocol.validate import check_step_shape
 
 from .config import max_step_body_bytes
 from .metrics import Metrics
 from .runner import LaneOp, Runner, StepItem, reply_bytes
 from .sessions import DropReason, Outcome, Session, SessionTable, plan_step
+from .shm import ShmOps
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +163,10 @@ class WorkerInfo:
     version: str = "0"
     limits: dict[str, Any] = field(default_factory=dict)
 
-    def hello_reply(self, resumed: bool = False) -> HelloReply:
+    def hello_reply(self, resumed: bool = False, extra_capabilities: int = 0) -> HelloReply:
         return HelloReply(
-            capabilities=self.capabilities, window=self.window, num_spec=self.num_spec,
+            capabilities=self.capabilities | extra_capabilities, window=self.window,
+            num_spec=self.num_spec,
             max_slots=self.max_slots, max_rows_per_step=self.max_rows_per_step,
             row_bytes=self.row_bytes, vocab_size=self.vocab_size,
             drafter_identity=self.drafter_identity, markov_identity=self.markov_identity,
@@ -236,7 +243,8 @@ class Dispatcher:
                  *, secret: bytes | None = None, shed_queue_steps: int = 32,
                  max_frame_bytes: int | None = None,
                  stats_extra: Callable[[], dict[str, Any]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 shm: ShmOps | None = None) -> None:
         self.info = info
         # The frame body limit in force: a HELLO whose largest STEP is over it is refused.
         self.max_frame_bytes = max_frame_bytes
@@ -260,10 +268,13 @@ class Dispatcher:
             OP_PING: self._ping,
             OP_STATS: self._stats,
             OP_RESET: self._reset,
+            OP_SHM_ATTACH: self._shm_attach,
         }
+        # Section 13: shared-memory rows regions (max_region_bytes 0: none offered).
+        self.shm = shm if shm is not None else ShmOps(0)
         self._refusal_log = RateLimitedLog(log)
         self._dropped_counts: dict[str, int] = {}
-        self._hello_reply_ok: dict[bool, bytes] = {}
+        self._hello_reply_ok: dict[tuple[bool, int], bytes] = {}
         # Gauges read when scraped: nothing to keep up to date per frame.
         metrics.sessions.set_function(lambda: len(table))
         metrics.active_slots.set_function(lambda: table.active_slots)
@@ -309,6 +320,8 @@ class Dispatcher:
         if h.op == OP_HELLO:
             body = self.info.hello_reply().pack()
             self.metrics.hello_refusals.labels(status=FRAME_STATUS_NAMES[status]).inc()
+        elif h.op == OP_SHM_ATTACH:
+            body = self.shm.reply(0)
         self.metrics.frame(h.op, status)
         what = f"{h.op_name} {FRAME_STATUS_NAMES[status]} refusals from {conn.peer_host}"
         self._refusal_log.warning((conn.peer_host, h.op, status), what,
@@ -354,9 +367,13 @@ class Dispatcher:
                  SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"), h.seq,
                  self.session_label(s.session_id))
         resumed = result.outcome is Outcome.RESUMED
-        body = self._hello_reply_ok.get(resumed)
+        # CAP_SHM_ROWS only where a region can work: a Unix connection to a worker with a limit.
+        caps = (CAP_SHM_ROWS if self.shm.max_region_bytes and getattr(conn, "kind", "") == "unix"
+                else 0)
+        body = self._hello_reply_ok.get((resumed, caps))
         if body is None:
-            body = self._hello_reply_ok[resumed] = self.info.hello_reply(resumed).pack()
+            body = self._hello_reply_ok[(resumed, caps)] = self.info.hello_reply(
+                resumed, caps).pack()
         return self._ok(h, body)
 
     def _check_identities(self, hello: Hello) -> None:
@@ -417,7 +434,7 @@ class Dispatcher:
     def _step(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply | None:
         h = fr.header
         s = self.table.bound(h.session, conn.conn_id, h.seq)
-        view = decode_step(fr.body)
+        view = self._decode_step(conn, fr.body)
         check_step_shape(view, row_bytes=self.info.row_bytes, max_slots=s.max_slots,
                          max_rows_per_step=s.hello.max_rows_per_step,
                          num_spec=self.info.num_spec, sampled=s.sampled)
@@ -433,6 +450,14 @@ class Dispatcher:
         self.metrics.observe_stage("decode", item.t_queued - t_arrival)
         self.runner.submit(item)
         return None
+
+    @staticmethod
+    def _decode_step(conn: Conn, body: memoryview) -> StepView:
+        """7.3, or 13.3 when the step flags say the rows are in the connection's region."""
+        if len(body) >= 24 and body[20] & SF_ROWS_SHM:  # the low byte of step_flags
+            shm = getattr(conn, "shm", None)
+            return decode_step_shm(body, shm.rows if shm is not None else None)
+        return decode_step(body)
 
     def _check_tokens(self, entries: Any) -> None:
         """A drafting entry's anchor_token is the first input of the block: it must be a token
@@ -452,6 +477,7 @@ class Dispatcher:
 
     def complete(self, item: StepItem) -> None:
         """The runner is done with a STEP (loop thread): reply, account, recycle its buffer."""
+        t_back = time.perf_counter()
         conn, h, m = item.conn, item.header, self.metrics
         conn.release_storage(item.storage)
         item.storage = None
@@ -490,6 +516,9 @@ class Dispatcher:
             m.observe_stage("draft", item.draft_s)
         m.observe_stage("encode", item.encode_s)
         m.observe_stage("step", t_done - item.t_arrival)
+        if item.t_exec1:
+            m.observe_stage("to_device", item.t_exec0 - item.t_queued)
+            m.observe_stage("from_device", t_back - item.t_exec1)
 
     def record_batch(self, steps: int, entries: int) -> None:
         self.metrics.batch_steps.observe(steps)
@@ -530,6 +559,14 @@ class Dispatcher:
         log.debug("session %#010x RESET %s", s.session_id,
                   "every slot" if not arr.size else f"{arr.size} slots")
         return self._ok(h)
+
+    # -- SHM_ATTACH (13.2) -------------------------------------------------------------------------
+    def _shm_attach(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
+        h = fr.header
+        s = self.table.bound(h.session, conn.conn_id, h.seq)
+        body = self.shm.attach(conn, fr)
+        self.table.touch(s, h.seq, self.clock())
+        return self._ok(h, body)
 
     # -- sessions ---------------------------------------------------------------------------------
     def expire_idle(self) -> int:

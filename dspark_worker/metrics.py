@@ -32,7 +32,8 @@ dspark_worker_ready                         gauge      1 once the drafter is loa
 dspark_worker_info                          gauge      1; labels version, worker_name, device,
                                                        dtype, drafter_identity, markov_identity
 dspark_worker_stage_duration_seconds        histogram  stage: decode, queue, apply, draft,
-                                                       encode, step (frame's last byte to reply)
+                                                       encode, step (frame's last byte to reply),
+                                                       to_device, from_device (the hand-offs)
 dspark_worker_batch_steps                   histogram  STEPs per device batch
 dspark_worker_batch_entries                 histogram  entries drafted per drafter call
 ==========================================  =========  ==========================================
@@ -54,7 +55,10 @@ from prometheus_client.utils import floatToGoString
 from protocol.constants import FRAME_STATUS_NAMES, OP_NAMES, REQ_STATUS_NAMES, RS_OK
 
 PREFIX: Final = "dspark_worker"
-STAGES: Final = ("decode", "queue", "apply", "draft", "encode", "step")
+# to_device: accepted STEP to the device thread starting its batch; from_device: the batch done
+# to its STEP being answered on the loop (the two cross-thread hand-offs of a STEP).
+STAGES: Final = ("decode", "queue", "apply", "draft", "encode", "step", "to_device",
+                 "from_device")
 # 20 us .. 5 s: a STEP's host work is tens of microseconds, a large batch's draft many ms.
 LATENCY_BUCKETS: Final = (20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3,
                           50e-3, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)

@@ -30,7 +30,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -73,8 +73,8 @@ class StepItem:
 
     __slots__ = ("all_ok", "apply_s", "conn", "draft_s", "drafted", "drafting", "encode_s",
                  "error", "header", "n_drafted", "plan", "reply", "reply_buf", "session", "shed",
-                 "skipped", "status", "storage", "t_arrival", "t_queued", "t_start", "view",
-                 "window_rows")
+                 "skipped", "status", "storage", "t_arrival", "t_exec0", "t_exec1", "t_queued",
+                 "t_start", "view", "window_rows")
 
     def __init__(self, conn: Any, header: AppHeader, session: Session, view: StepView,
                  plan: StepPlan, storage: Buffer | None, reply_buf: Buffer, t_arrival: float,
@@ -90,6 +90,7 @@ class StepItem:
         self.shed = shed
         self.t_queued = time.perf_counter()
         self.t_start = 0.0
+        self.t_exec0 = self.t_exec1 = 0.0  # the device thread's batch began / ended
         self.apply_s = self.draft_s = self.encode_s = 0.0
         self.status: npt.NDArray[np.uint8] | None = None
         self.window_rows: npt.NDArray[np.int64] | None = None
@@ -209,27 +210,50 @@ class Runner:
             if not self._queue:
                 self._wake.clear()
             if batch:
-                t = time.perf_counter()
-                steps = [op for op in batch if isinstance(op, StepItem)]
-                for item in steps:
-                    item.t_start = t
-                try:
-                    await loop.run_in_executor(self._executor, self._execute, batch)
-                except Exception as exc:  # _execute catches per item; this is a bug
-                    log.exception("runner batch failed")
-                    for item in steps:
-                        if item.error is None and not item.skipped:
-                            item.error = exc
-                self.batches += 1
-                if self._on_batch is not None:
-                    self._on_batch(len(steps), self.last_batch_entries)
-                for item in steps:
-                    try:
-                        self._complete(item)
-                    except Exception:
-                        log.exception("completing STEP seq %d failed", item.header.seq)
+                # In its own frame: once answered, nothing here holds the items (their rows may
+                # be views of a connection's shared-memory region, mapped until the last goes).
+                await self._run_batch(loop, batch)
+                batch = []
             if not self._queue:
                 self._idle.set()
+
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[Op]) -> None:
+        t = time.perf_counter()
+        steps = [op for op in batch if isinstance(op, StepItem)]
+        for item in steps:
+            item.t_start = t
+        answered: asyncio.Future[None] = loop.create_future()
+
+        def done(fut: Future[None]) -> None:  # the device thread, as the batch ends
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to answer
+                loop.call_soon_threadsafe(self._answer, steps, fut, answered)
+
+        # The STEPs are answered from the one callback the device thread posts to the loop,
+        # not after the asyncio future of run_in_executor wakes this task: one loop turn less
+        # between the batch's end and its replies.
+        self._executor.submit(self._execute, batch).add_done_callback(done)
+        await answered
+
+    def _answer(self, steps: list[StepItem], fut: Future[None],
+                answered: asyncio.Future[None]) -> None:
+        exc: BaseException | None = (InternalError("the device thread was shut down")
+                                     if fut.cancelled() else fut.exception())
+        if exc is not None:  # _execute catches per item; this is a bug
+            log.error("runner batch failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            for item in steps:
+                if item.error is None and not item.skipped:
+                    item.error = exc
+        self.batches += 1
+        if self._on_batch is not None:
+            self._on_batch(len(steps), self.last_batch_entries)
+        for item in steps:
+            try:
+                self._complete(item)
+            except Exception:
+                log.exception("completing STEP seq %d failed", item.header.seq)
+        steps.clear()
+        if not answered.done():
+            answered.set_result(None)
 
     def _take_batch(self) -> list[Op]:
         batch: list[Op] = []
@@ -252,6 +276,7 @@ class Runner:
 
     # -- device side (the device thread) ----------------------------------------------------------
     def _execute(self, batch: list[Op]) -> None:
+        t_exec0 = time.perf_counter()
         steps: list[StepItem] = []
         for op in batch:
             if isinstance(op, LaneOp):
@@ -277,6 +302,10 @@ class Runner:
             except Exception as exc:
                 item.error = exc
             item.encode_s = time.perf_counter() - t
+        t_exec1 = time.perf_counter()
+        for op in batch:
+            if isinstance(op, StepItem):
+                op.t_exec0, op.t_exec1 = t_exec0, t_exec1
 
     def _lane_op(self, op: LaneOp) -> None:
         s = op.session

@@ -54,6 +54,7 @@ from .config import (
 )
 from .dispatch import Buffer, Dispatcher, RateLimitedLog
 from .metrics import Metrics
+from .shm import ConnShm, FdReceiver, close_fds
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,11 @@ class Connection(asyncio.BufferedProtocol):
         self._partial_timer: asyncio.TimerHandle | None = None
         self._sock: Any = None  # TCP only: for SO_RCVLOWAT
         self._rcvlowat = 1
+        # Section 13: the shared-memory region, and the receive of a MAP frame with its memfd.
+        self.shm = ConnShm()
+        self._fd_rx: FdReceiver | None = None
+        self._fds_next: list[int] | None = None  # descriptors for the next frame completed
+        self._fd_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.BufferedProtocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -138,6 +144,11 @@ class Connection(asyncio.BufferedProtocol):
                 self._write(self.dispatcher.refuse_too_large(self, h, exc).data)
             self._close("too_large")
             return
+        self._received(frames)
+
+    def _received(self, frames: list[Frame]) -> None:
+        if frames and self._fds_next is not None:
+            self.shm.fds[id(frames[0])], self._fds_next = self._fds_next, None
         if frames:
             now = time.perf_counter()
             self.last_frame = time.monotonic()
@@ -169,9 +180,14 @@ class Connection(asyncio.BufferedProtocol):
         if self._partial_timer is not None:
             self._partial_timer.cancel()
             self._partial_timer = None
+        self._stop_fd_receive()
+        if self._fds_next is not None:
+            close_fds([fd for fd in self._fds_next if fd >= 0])
+            self._fds_next = None
         while self.pending:
             f, _ = self.pending.popleft()
             self.server.buffers.release(f.storage)
+        self.shm.close()  # unmapped now, or as the in-flight STEP's rows view goes
         self.server.unregister(self, self.close_reason if exc is None else "error")
 
     def pause_writing(self) -> None:
@@ -242,6 +258,8 @@ class Connection(asyncio.BufferedProtocol):
         while self.pending and not self.busy and not self.closing and not self.write_paused:
             fr, t_arrival = self.pending.popleft()
             reply = self.dispatcher.handle(self, fr, t_arrival)
+            if self.shm.fds:
+                self.shm.drop_fds(fr)  # descriptors no handler took are closed
             if reply is None:  # a STEP: the runner has it and its body
                 self.busy = True
                 break
@@ -252,7 +270,7 @@ class Connection(asyncio.BufferedProtocol):
                 return
         if (self.read_paused and not self.closing and self.transport is not None
                 and len(self.pending) < MAX_PENDING_FRAMES_PER_CONNECTION
-                and not self.server.draining):
+                and not self.server.draining and self._fd_rx is None):
             self.read_paused = False
             self.transport.resume_reading()
 
@@ -300,6 +318,73 @@ class Connection(asyncio.BufferedProtocol):
                                f"{self.decoder.partial_bytes} bytes of a frame and no more for"
                                f" {self.server.partial_timeout_s:g} s")
         self._close("partial_timeout")
+
+    # -- section 13: the MAP frame and its memfd --------------------------------------------------
+    def expect_fds(self, nbytes: int) -> None:
+        """Read the next ``nbytes`` of the stream with recvmsg (not through the transport, whose
+        receives drop descriptors), then go on as before. Called by an accepted OFFER: the client
+        sends nothing until its reply, so nothing of the MAP frame has been read yet."""
+        if self.transport is None or self.closing or self._fd_rx is not None:
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return
+        if not self.read_paused:
+            self.transport.pause_reading()
+        self.read_paused = True
+        self._fd_rx = FdReceiver(asyncio.get_running_loop(), sock.fileno(), nbytes,
+                                 self._fd_frame)
+        self._fd_timer = asyncio.get_running_loop().call_later(
+            max(self.server.partial_timeout_s, 0.01), self._fd_timeout)
+
+    def _fd_frame(self, data: bytes, fds: list[int], error: str | None) -> None:
+        self._fd_rx = None
+        if self._fd_timer is not None:
+            self._fd_timer.cancel()
+            self._fd_timer = None
+        if error is not None or self.closing:
+            close_fds([fd for fd in fds if fd >= 0])
+            if not self.closing:
+                self._close("peer" if "closed" in (error or "") else "error")
+            return
+        try:
+            frames = self.decoder.feed(data)
+        except (FrameHeaderError, FrameTooLargeError) as exc:
+            close_fds([fd for fd in fds if fd >= 0])
+            h = self.decoder.error_header
+            if isinstance(exc, FrameTooLargeError) and h is not None:
+                self._write(self.dispatcher.refuse_too_large(self, h, exc).data)
+            else:
+                self.server.bad_stream(self, "bad_magic", str(exc))
+            self._close("too_large" if isinstance(exc, FrameTooLargeError) else "bad_magic")
+            return
+        # They came with the frame's first bytes: they belong to the next frame completed (its
+        # body, if any, arrives through the transport).
+        self._fds_next = fds or None
+        if self.transport is not None and len(self.pending) + len(frames) \
+                < MAX_PENDING_FRAMES_PER_CONNECTION:
+            self.read_paused = False
+            self.transport.resume_reading()
+        self._received(frames)
+
+    def _fd_timeout(self) -> None:
+        self._fd_timer = None
+        if self._fd_rx is None or self.closing:
+            return
+        got = self._fd_rx.received
+        self._stop_fd_receive()
+        self.server.bad_stream(self, "partial_timeout",
+                               f"{got} bytes of the SHM_ATTACH MAP frame and no more for"
+                               f" {self.server.partial_timeout_s:g} s")
+        self._close("partial_timeout")
+
+    def _stop_fd_receive(self) -> None:
+        if self._fd_timer is not None:
+            self._fd_timer.cancel()
+            self._fd_timer = None
+        rx, self._fd_rx = self._fd_rx, None
+        if rx is not None:
+            rx.abandon()
 
     def stop_reading(self) -> None:
         if self.transport is not None and not self.closing and not self.read_paused:

@@ -20,12 +20,14 @@ OP_STEP: Final = 2
 OP_PING: Final = 3
 OP_STATS: Final = 4
 OP_RESET: Final = 5
+OP_SHM_ATTACH: Final = 7  # section 13: a shared-memory rows region for this connection
 OP_NAMES: Final[dict[int, str]] = {
     OP_HELLO: "HELLO",
     OP_STEP: "STEP",
     OP_PING: "PING",
     OP_STATS: "STATS",
     OP_RESET: "RESET",
+    OP_SHM_ATTACH: "SHM_ATTACH",
 }
 
 # -- section 5: frame statuses --------------------------------------------------------------------
@@ -68,7 +70,8 @@ TAP_DTYPE_BYTES: Final[dict[int, int]] = {TAPS_BF16: 2}
 CAP_TAPS_BF16: Final = 1
 CAP_TOP32: Final = 2
 CAP_MARGIN: Final = 4
-KNOWN_CAPABILITIES: Final = CAP_TAPS_BF16 | CAP_TOP32 | CAP_MARGIN
+CAP_SHM_ROWS: Final = 8  # section 13: STEP rows may come from a shared-memory region
+KNOWN_CAPABILITIES: Final = CAP_TAPS_BF16 | CAP_TOP32 | CAP_MARGIN | CAP_SHM_ROWS
 NAME_BYTES: Final = 32  # client_name / worker_name: UTF-8, NUL padded
 IDENTITY_BYTES: Final = 32  # SHA-256
 AUTH_TAG_BYTES: Final = 32  # HMAC-SHA256
@@ -92,7 +95,11 @@ RF_NEED_DRAFT: Final = 1
 RF_RESET: Final = 2
 RF_RELEASE: Final = 4
 KNOWN_REQ_FLAGS: Final = RF_NEED_DRAFT | RF_RESET | RF_RELEASE
-KNOWN_STEP_FLAGS: Final = 0  # no step flags are defined in version 1
+# Section 13: the rows are in the connection's shared-memory region, at the offset the StepHeader's
+# ``reserved`` field carries (``rows_at``), not in the body. ``protocol.shm.decode_step_shm``
+# takes it off; no other step flag is defined, so the shape check (7.2 step 3) still wants 0.
+SF_ROWS_SHM: Final = 1
+KNOWN_STEP_FLAGS: Final = 0
 
 STEP_HEADER_SIZE: Final = 32
 REQ_ENTRY_SIZE: Final = 48

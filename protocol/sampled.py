@@ -124,60 +124,88 @@ def draw(support_ids: ArrayLike, q: ArrayLike, u: ArrayLike) -> npt.NDArray[np.i
     return np.take_along_axis(ids, place[..., None], axis=-1)[..., 0].astype(np.int32)
 
 
-def _places_ok(ids: npt.NDArray[np.int64], q: npt.NDArray[np.int64], vocab_size: int,
-               top_k: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
-    """Per row of ``[M, K]`` support: is it a canonical, complete q (9.1/9.2)?"""
-    k = ids.shape[1]
-    used = q > 0
-    place = np.arange(k)[None, :]
-    ok = q.sum(axis=-1) == Q_TOTAL
-    ok &= np.where(used, (ids >= 0) & (ids < vocab_size), ids == 0).all(axis=-1)
-    ok &= ~(used & (place >= top_k[:, None])).any(axis=-1)
-    # canonical order: q non-increasing, equal q by ascending id, zeros only at the end
-    qa, qb, ia, ib = q[:, :-1], q[:, 1:], ids[:, :-1], ids[:, 1:]
-    ok &= ((qa > qb) | ((qa == qb) & ((qb == 0) | (ia < ib)))).all(axis=-1)
-    # distinct ids among used places (descending q allows a repeat that order cannot see)
-    keyed = np.where(used, ids, -1 - place)
-    srt = np.sort(keyed, axis=-1)
-    ok &= (srt[:, 1:] != srt[:, :-1]).all(axis=-1)
-    return np.asarray(ok, dtype=np.bool_)
+def _positions_t(support_ids: Any, proposal_q: Any) -> tuple[Any, Any]:
+    """Support ids and q of every position as ``[K, M]`` (place-major) contiguous arrays. Every
+    per-position rule is then an elementwise test over rows of M positions plus one reduction
+    along axis 0, instead of M tiny reductions over K places (what made ``[M, K]`` slow)."""
+    ids, q = np.asarray(support_ids), np.asarray(proposal_q)
+    k = ids.shape[-1]
+    m = ids.size // k if k else 0
+    return (np.ascontiguousarray(ids.reshape(m, k).T),
+            np.ascontiguousarray(q.reshape(m, k).T))
+
+
+def _places_ok_t(ids: Any, q: Any, used: Any, vocab_size: int, top_k: Any) -> Any:
+    """Per position (column of ``[K, M]`` ids and q): is it a canonical, complete q (9.1/9.2)?
+    q sums to 2**24; used ids in [0, vocab_size), unused places carry id 0; no used place at or
+    past top_k; canonical order (q non-increasing, equal q by ascending id, zeros only at the
+    end); the used ids distinct."""
+    k = ids.shape[0]
+    place = np.arange(k)[:, None]
+    ok = q.sum(axis=0, dtype=np.uint64) == Q_TOTAL
+    bad = (used & ((ids < 0) | (ids >= vocab_size))) | (~used & (ids != 0))
+    bad |= used & (place >= np.asarray(top_k)[None, :])
+    qa, qb, ia, ib = q[:-1], q[1:], ids[:-1], ids[1:]
+    bad[1:] |= ~((qa > qb) | ((qa == qb) & ((qb == 0) | (ia < ib))))
+    ok &= ~bad.any(axis=0)
+    # Distinct used ids: canonical order makes the used places a prefix of the first `depth`
+    # places, and ascending ids within equal q; a repeat across q levels needs a sort.
+    rows_used = np.flatnonzero(used.any(axis=1))
+    depth = int(rows_used[-1]) + 1 if rows_used.size else 0
+    if depth > 1:
+        keyed = np.where(used[:depth], ids[:depth].astype(np.int64),
+                         -1 - np.arange(depth, dtype=np.int64)[:, None])  # [depth, M]
+        srt = np.ascontiguousarray(np.sort(keyed.T, axis=1).T)
+        ok &= ~(srt[1:] == srt[:-1]).any(axis=0)
+    return ok
 
 
 def validate(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
              draft_ids: ArrayLike, needed: ArrayLike, vocab_size: int,
              top_ks: ArrayLike) -> None:
     """Section 9.2. ``needed[i]``: entry i asked for a draft and got a usable status;
-    ``top_ks[i]``: its top_k. Raises ReplyValueError naming entry, position and value."""
+    ``top_ks[i]``: its top_k. Raises ReplyValueError naming entry, position and value.
+
+    One pass over the positions in place-major layout (``_positions_t``); only on failure the
+    entry-by-entry search of ``_raise_first`` names the first offender."""
     mask = np.asarray(sampled_mask)
-    sup = np.asarray(support_ids).astype(np.int64)
-    q = np.asarray(proposal_q).astype(np.int64)
-    drafts = np.asarray(draft_ids).astype(np.int64)
+    sup_in = np.asarray(support_ids)
+    q_in = np.asarray(proposal_q)
+    drafts = np.asarray(draft_ids)
     need = np.asarray(needed, dtype=bool)
     tk = np.asarray(top_ks).astype(np.int64)
     n, N = drafts.shape
-    if mask.shape != (n,) or sup.shape != (n, N, MAX_TOP_K) or q.shape != (n, N, MAX_TOP_K):
-        raise ReplyValueError(f"sampled arrays have shapes {mask.shape}, {sup.shape}, {q.shape};"
-                              f" expected ({n},), ({n}, {N}, {MAX_TOP_K}) twice")
+    if mask.shape != (n,) or sup_in.shape != (n, N, MAX_TOP_K) \
+            or q_in.shape != (n, N, MAX_TOP_K):
+        raise ReplyValueError(f"sampled arrays have shapes {mask.shape}, {sup_in.shape},"
+                              f" {q_in.shape}; expected ({n},), ({n}, {N}, {MAX_TOP_K}) twice")
     if need.shape != (n,) or tk.shape != (n,):
         raise ValueError(f"needed {need.shape} and top_ks {tk.shape} must both be ({n},)")
     want = need & (tk > 0)
     sampled = mask == 1
-    zero_pos = ~(sup != 0).any(axis=-1) & ~(q != 0).any(axis=-1)  # [n, N]
-    drafted = ~(zero_pos & (drafts == 0))
-    ok_rows = _places_ok(sup.reshape(n * N, MAX_TOP_K), q.reshape(n * N, MAX_TOP_K), vocab_size,
-                         np.repeat(tk, N)).reshape(n, N)
-    in_support = ((sup == drafts[..., None]) & (q > 0)).any(axis=-1)
+    ids, q = _positions_t(sup_in, q_in)  # [K, M]
+    if q.dtype.kind == "i":
+        q = q.astype(np.int64)  # a negative q is then simply not a used place that sums right
+    d = drafts.reshape(-1)  # [M]
+    used = q != 0  # [K, M]; a negative q fails the sum or the order
+    zero_pos = ~used.any(axis=0) & ~(ids != 0).any(axis=0)  # [M]
+    drafted = ~(zero_pos & (d == 0))
+    ok_rows = _places_ok_t(ids, q, used & (q > 0), vocab_size, np.repeat(tk, N)) \
+        & ~(q < 0).any(axis=0)
+    in_support = ((ids == d[None, :]) & (q > 0)).any(axis=0)
     pos_ok = ~drafted | (ok_rows & in_support)
+    sampled_pos = np.repeat(sampled, N)
     fine = (
         ((mask == 0) | sampled).all()
         and (sampled == want).all()
-        and zero_pos[~sampled].all()
-        and pos_ok[sampled].all()
+        and zero_pos[~sampled_pos].all()
+        and pos_ok[sampled_pos].all()
     )
     if fine:
         return
-    _raise_first(mask, sup, q, drafts, need, want, vocab_size, tk, zero_pos, drafted, ok_rows,
-                 in_support)
+    _raise_first(mask, sup_in.astype(np.int64), q_in.astype(np.int64), drafts.astype(np.int64),
+                 need, want, vocab_size, tk, zero_pos.reshape(n, N), drafted.reshape(n, N),
+                 ok_rows.reshape(n, N), in_support.reshape(n, N))
 
 
 def _raise_first(mask: Any, sup: Any, q: Any, drafts: Any, need: Any, want: Any, vocab_size: int,
@@ -244,18 +272,34 @@ def check_draws(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
                 draft_ids: ArrayLike, seeds: ArrayLike, generations: ArrayLike,
                 anchor_pos: ArrayLike) -> None:
     """Re-derive every drafted position's draw (9.3) and refuse a reply whose draft differs.
-    Run after ``validate``. Position j of entry i is the token at ``anchor_pos[i] + j + 1``."""
+    Run after ``validate``. Position j of entry i is the token at ``anchor_pos[i] + j + 1``.
+    Vectorised like ``validate``: running sums down the places of ``[K, M]`` q, and the drawn
+    place is how many running sums are at most u (the first that exceeds it)."""
     mask = np.asarray(sampled_mask).astype(bool)
-    sup = np.asarray(support_ids)
-    q = np.asarray(proposal_q)
     drafts = np.asarray(draft_ids)
-    N = drafts.shape[1]
+    n, N = drafts.shape
     pos = np.asarray(anchor_pos, dtype=np.int64)[:, None] + 1 + np.arange(N)[None, :]
     u = draw_u(np.asarray(seeds, dtype=np.uint64)[:, None],
-               np.asarray(generations, dtype=np.uint64)[:, None], pos)
-    expect = draw(sup, q, u)
-    drafted = (q != 0).any(axis=-1) & mask[:, None]
-    bad = drafted & (expect != drafts)
+               np.asarray(generations, dtype=np.uint64)[:, None], pos)  # [n, N]
+    ids, q = _positions_t(support_ids, proposal_q)  # [K, M]
+    drafted = (q != 0).any(axis=0) & np.repeat(mask, N)  # [M]
+    if not drafted.any():
+        return
+    k, m = q.shape
+    uu = u.reshape(-1).astype(np.int64)
+    # The running sum place by place (np.cumsum along axis 0 walks column by column: slow);
+    # past the last used place it no longer changes, so those places count at once.
+    rows_used = np.flatnonzero((q != 0).any(axis=1))
+    depth = int(rows_used[-1]) + 1 if rows_used.size else 0
+    acc = np.zeros(m, dtype=np.int64)
+    place = np.zeros(m, dtype=np.int64)
+    for r in range(depth):
+        acc += q[r]
+        place += acc <= uu
+    place += (k - depth) * (acc <= uu)
+    place[place >= k] = 0  # no running sum exceeds u: like argmax of all False (q is refused)
+    expect = ids[place, np.arange(m)].reshape(n, N)
+    bad = drafted.reshape(n, N) & (expect != drafts)
     if bad.any():
         i, j = (int(x) for x in np.argwhere(bad)[0])
         raise ReplyValueError(

@@ -37,14 +37,16 @@ DEMO_WORKER_ARGS = ("--window", "1024", "--max-slots", "16", "--max-total-slots"
 
 
 @contextlib.contextmanager
-def spawned_worker(timeout: float = 120.0) -> Iterator[str]:
-    """A worker subprocess on a free loopback port; yields its endpoint."""
+def spawned_worker(timeout: float = 120.0, shm: bool = False) -> Iterator[str]:
+    """A worker subprocess on a free loopback port; yields its endpoint. With ``shm`` it also
+    serves a Unix socket and the endpoint is ``unix+shm://`` (rows through shared memory)."""
     with tempfile.TemporaryDirectory(prefix="dspark-demo-") as tmp:
         port_file = Path(tmp) / "port.json"
         log = open(Path(tmp) / "worker.log", "wb")  # noqa: SIM115 - closed below
         proc = subprocess.Popen(
             [sys.executable, "-m", "dspark_worker", "--listen", "127.0.0.1:0",
-             "--port-file", str(port_file), *DEMO_WORKER_ARGS],
+             "--port-file", str(port_file), *DEMO_WORKER_ARGS,
+             *(("--unix", str(Path(tmp) / "w.sock")) if shm else ())],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
             deadline = time.monotonic() + timeout
@@ -56,7 +58,7 @@ def spawned_worker(timeout: float = 120.0) -> Iterator[str]:
                 time.sleep(0.05)
             time.sleep(0.05)  # the file is written in one go; let the writer finish
             info = json.loads(port_file.read_text())
-            yield f"tcp://{info['listen']}"
+            yield f"unix+shm://{info['unix']}" if shm else f"tcp://{info['listen']}"
         finally:
             proc.terminate()
             try:
@@ -81,7 +83,8 @@ def run_demo(hello_for: Any, args: Any, out: TextIO) -> int:
     prompt = encode_text(args.prompt)
     sampled = args.temperature > 0
     with contextlib.ExitStack() as stack:
-        endpoint = args.endpoint or stack.enter_context(spawned_worker())
+        endpoint = args.endpoint or stack.enter_context(
+            spawned_worker(shm=bool(getattr(args, "shm", False))))
         hello = hello_for(endpoint, sampled)
         tc = target.config
         if (hello.n_taps, hello.hidden, hello.vocab_size) != (tc.n_taps, tc.hidden_size,

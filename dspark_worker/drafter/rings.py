@@ -24,6 +24,9 @@ when ``start == end``. The rules (7.2 step 4), for an entry with rows ``[a - n, 
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -234,9 +237,12 @@ class RingPool:
     def _upload_rows(self, table: npt.NDArray[np.uint8]) -> Tensor:
         host = _as_int16(table)  # [R, tap_width]
         if not self._pinned:
-            if not host.flags.writeable:  # torch refuses to wrap read-only memory silently
-                host = host.copy()
-            return torch.from_numpy(host).view(torch.bfloat16).to(self.device)  # [R, tap_width]
+            return _host_tensor(host).view(torch.bfloat16).to(self.device)  # [R, tap_width]
+        if not host.flags.writeable:
+            # Rows in a client's shared-memory region (contract section 13), page-locked when it
+            # was attached: one DMA read straight from it, finished before this returns, so the
+            # rows are consumed before the reply (the client may rewrite them after it).
+            return _host_tensor(host).to(self.device).view(torch.bfloat16)  # [R, tap_width]
         need = host.size
         if self._staging is None or self._staging.numel() < need:
             self._staging = torch.empty(max(need, 1 << 20), dtype=torch.int16, pin_memory=True)
@@ -311,6 +317,17 @@ def decode_bf16_rows(rows: npt.NDArray[np.uint8], tap_width: int) -> npt.NDArray
     """Wire tap rows uint8 [R, tap_width * 2] -> float32 [R, tap_width]."""
     host = torch.from_numpy(_as_int16(rows).reshape(-1, tap_width).copy())
     return host.view(torch.bfloat16).float().numpy()
+
+
+def _host_tensor(host: npt.NDArray[Any]) -> Tensor:
+    """A tensor over ``host`` without a copy, also when it is read-only (a read-only mapping of
+    a client's region): torch warns that writing through it would be undefined, and nothing
+    here writes to it."""
+    if host.flags.writeable:
+        return torch.from_numpy(host)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(host)
 
 
 def _as_int16(table: npt.NDArray[np.uint8]) -> npt.NDArray[np.int16]:

@@ -68,7 +68,8 @@ def test_metrics_move_with_frames(worker: ThreadWorker, drafter: Any) -> None:
     assert value(after, p + "sent_bytes_total") > 0
     assert value(after, p + "sessions") == 1 and value(after, p + "active_slots") == 2
     assert value(after, p + "connections_total") >= 1
-    for stage in ("decode", "queue", "apply", "draft", "encode", "step"):
+    for stage in ("decode", "queue", "apply", "draft", "encode", "step", "to_device",
+                  "from_device"):
         assert value(after, p + "stage_duration_seconds_count", stage=stage) == 1, stage
         assert value(after, p + "stage_duration_seconds_sum", stage=stage) > 0, stage
     assert value(after, p + "batch_entries_count") == 1
