@@ -20,6 +20,13 @@ may be the worker's frame limit: that round fails and ``DraftRounds`` lowers its
 HELLO refused ST_STALE_SEQ (the id is held with a higher seq: taken over or replayed) moves the
 client to a new random session id (7.5).
 
+Workers. The endpoints name a set of workers (static, or ``dns+tcp://name:port`` resolved on
+the connect thread, ``discovery``); the client works with the best-ranked one for its client
+name by rendezvous hashing (``placement``), fails over to the next after repeated failed
+connects, leaves a worker that answers ST_DRAINING at once, and moves to a better-ranked
+worker that became eligible by connecting there before it swaps (docs/operations.md,
+"Placement"). Every move is a new session and a new epoch.
+
 Fork. Threads do not survive ``fork()`` and the lock may be held at that moment, so a client
 used from a process other than the one that made it refuses to run (``disabled_reason`` says
 so): make a new client, with its own ``client_name``, in the child.
@@ -63,6 +70,8 @@ from protocol.shm import ROWS_ALIGN, set_rows_at
 from protocol.validate import check_reply_values
 
 from .config import RemoteConfig
+from .discovery import RESOLVE_RETRY_S, Discovery, Resolver, is_dns_endpoint
+from .placement import Placement
 from .shm import ShmRegion, shm_available
 from .shm import attach as shm_attach
 from .stats import Stats
@@ -85,6 +94,13 @@ HELLO_REPLY_BYTES: Final = 1 << 12
 # and DraftRounds lowers its row budget after repeated ones (7.5).
 SIZE_SUSPECT_BYTES: Final = 64 << 10
 _ENTRIES_AT: Final = wire.APP_HEADER_SIZE + STEP_HEADER_SIZE  # entries' offset in a STEP frame
+# While connected, the thread wakes for re-resolution and placement changes no more often
+# than this.
+MIN_TICK_S: Final = 0.01
+
+
+class _WorkerDraining(wire.WireError):
+    """The worker answered ST_DRAINING: go to another one now; not a failure."""
 
 
 @dataclass
@@ -143,10 +159,13 @@ def _connect_loop(ref: weakref.ReferenceType[RemoteDraftClient], shared: _Shared
 
 
 class RemoteDraftClient:
-    """One engine run's client of one draft worker (or of a list of failover endpoints).
+    """One engine run's client of one draft worker at a time, out of the set its endpoints name.
 
     ``hello`` is what this engine sends: geometry, identities, client name. The auth tag is
-    computed here for each HELLO when ``cfg`` has a secret."""
+    computed here for each HELLO when ``cfg`` has a secret. ``resolver``: ``(name, port) ->
+    addresses`` for ``dns+tcp`` endpoints instead of ``socket.getaddrinfo`` (an engine's own
+    service discovery, or a test's); a constructor argument because ``RemoteConfig`` is plain
+    data decoded from JSON."""
 
     def __init__(
         self,
@@ -157,6 +176,7 @@ class RemoteDraftClient:
         transport_factory: Callable[..., RpcClient] | None = None,
         background: bool = True,
         session: int | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         if session is not None and not 0 < session <= 0xFFFFFFFF:
             raise ValueError(f"session {session} outside 1..2**32-1")
@@ -177,9 +197,20 @@ class RemoteDraftClient:
         self.disabled_reason: str | None = None
         self.worker_info: wire.HelloReply | None = None
         self.last_error: str | None = None
-        self._endpoints = cfg.all_endpoints
-        self._endpoint_index = cfg.home_index(hello.client_name)
-        self._endpoint_failures = 0  # failed connects in a row on the current endpoint
+        # The worker set and where in it to be; only the connect thread touches these (the
+        # engine thread hands a drained endpoint over through _drained).
+        self._discovery = Discovery(cfg.all_endpoints, resolver)
+        self._placement = Placement(hello.client_name, failover_after=cfg.failover_after,
+                                    return_after_s=cfg.return_after_ms / 1000.0)
+        self._next_resolve = 0.0
+        self._last_resolve = -math.inf
+        self._resolve_soon = False
+        if not self._discovery.dynamic:
+            self._placement.update(self._discovery.resolve(), time.monotonic())
+        self._endpoint = self._placement.target(time.monotonic()) or cfg.endpoint
+        self._session_endpoint: str | None = None  # where the current session was accepted
+        self._drained: str | None = None  # an endpoint whose STEP answered ST_DRAINING
+        self._retry_now = False
         self._rng = random.Random(secrets.randbits(64))
         self._backoff_ms = cfg.backoff_ms
         self._next_attempt = 0.0
@@ -192,7 +223,7 @@ class RemoteDraftClient:
         # to (None: rows go on the socket).
         self._shm: ShmRegion | None = None
         self._shm_conn: RpcClient | None = None
-        if any(parse_endpoint(ep).shm for ep in self._endpoints):
+        if any(not is_dns_endpoint(ep) and parse_endpoint(ep).shm for ep in cfg.all_endpoints):
             if shm_available():
                 self._shm = ShmRegion(hello.max_rows_per_step * hello.row_bytes)
             else:
@@ -232,8 +263,14 @@ class RemoteDraftClient:
 
     @property
     def endpoint(self) -> str:
-        """The endpoint the next connect tries (the current one while connected)."""
-        return self._endpoints[self._endpoint_index]
+        """The endpoint the next connect tries (the current one while connected); a
+        ``dns+tcp`` endpoint until its first resolution."""
+        return self._endpoint
+
+    @property
+    def workers(self) -> list[str]:
+        """The worker set as last resolved, in this client's order of preference."""
+        return self._placement.members
 
     def wait_ready(self, timeout: float) -> bool:
         """Block until a HELLO is accepted or the client is disabled (tools and tests; the
@@ -366,7 +403,21 @@ class RemoteDraftClient:
         if self.disabled or self._forked():
             return False
         timeout = self.cfg.connect_timeout_ms / 1000.0
-        endpoint = self.endpoint
+        now = time.monotonic()
+        self._take_drained(now)
+        self._refresh(now)
+        target = self._placement.target(now)
+        if target is None:
+            self._connect_failed(self.endpoint, TransportError(
+                f"no worker address resolved ({self._discovery.last_error or 'empty answer'})"))
+            return False
+        endpoint = self._endpoint = target
+        if self._session_endpoint is not None and endpoint != self._session_endpoint:
+            # Another worker: a new session id, so that a worker we come back to later never
+            # resumes windows that went stale meanwhile (every slot resyncs after the HELLO).
+            with self._lock:
+                self.session = self._fresh_session_locked()
+            self._session_endpoint = None
         conn: RpcClient | None = None
         with self._lock:
             session = self.session
@@ -381,6 +432,11 @@ class RemoteDraftClient:
                 return False
             shm_ok = self._attach_shm(conn, endpoint, rep, session,
                                       max(deadline - time.monotonic(), 1e-3))
+        except _WorkerDraining:
+            if conn is not None:
+                conn.close()
+            self._worker_draining(endpoint, "HELLO")
+            return False
         except (TransportError, wire.WireError, OSError) as e:
             if conn is not None:
                 conn.close()
@@ -402,6 +458,8 @@ class RemoteDraftClient:
         if stale:  # HELLO again at once under the new id
             conn.close()
             return self.connect_now()
+        self._session_endpoint = endpoint
+        self._placement.connected(endpoint)
         self._shared.ready_event.set()
         self.worker_info = rep
         self.stats.inc("hellos")
@@ -410,7 +468,6 @@ class RemoteDraftClient:
                                   "max_rows_per_step": rep.max_rows_per_step,
                                   "capabilities": rep.capabilities, "resumed": rep.resumed})
         failed, self._fail_run = self._fail_run, 0
-        self._endpoint_failures = 0
         log.info("remote DSpark worker %r ready at %s (session %#010x, epoch %d)%s",
                  rep.worker_name, endpoint, session, epoch,
                  f" after {failed} failed connect attempts" if failed else "")
@@ -438,6 +495,8 @@ class RemoteDraftClient:
                 return None
             if h.status == wire.ST_STALE_SEQ:
                 self._session_taken(session)
+            if h.status == wire.ST_DRAINING:
+                raise _WorkerDraining("HELLO refused: DRAINING")
             raise wire.WireError(f"HELLO refused: {name}")
         if rep is None:
             raise wire.WireError(f"HELLO reply body is {len(body)} bytes, not"
@@ -555,29 +614,68 @@ class RemoteDraftClient:
         problems = self._reply_problems(rep)
         return f" ({'; '.join(problems)})" if problems else ""
 
-    def _fail_over(self, endpoint: str) -> None:
-        """Move to the next endpoint under a new session id: the next worker starts a session
-        with empty windows, and a worker we come back to later never resumes windows that went
-        stale meanwhile (every slot resyncs after the HELLO, 7.5)."""
-        self._endpoint_failures = 0
-        self._endpoint_index = (self._endpoint_index + 1) % len(self._endpoints)
-        with self._lock:
-            old = new = self.session
-            while new in (old, 0):
-                new = secrets.randbits(32)
-            self.session = new
-        self.stats.inc("failovers")
-        log.warning("remote DSpark: %s unreachable, failing over to %s (session %#010x)",
-                    endpoint, self.endpoint, new)
+    def _fresh_session_locked(self) -> int:
+        new = self.session
+        while new in (self.session, 0):
+            new = secrets.randbits(32)
+        return new
+
+    # -- the worker set and placement (connect thread only) ---------------------------------------
+    def _refresh(self, now: float) -> None:
+        """Resolve the DNS endpoints again when the interval has passed, or soon after a
+        failed connect (at most every RESOLVE_RETRY_S)."""
+        if not self._discovery.dynamic:
+            return
+        due = now >= self._next_resolve or (
+            self._resolve_soon and now - self._last_resolve >= RESOLVE_RETRY_S)
+        if not due:
+            return
+        members = self._discovery.resolve()
+        self._last_resolve = now
+        self._next_resolve = now + self.cfg.resolve_interval_ms / 1000.0
+        self._resolve_soon = False
+        self.stats.inc("resolves")
+        if self._discovery.last_error is not None:
+            self.stats.inc("resolve_failures")
+            self.stats.set("last_resolve_error", self._discovery.last_error)
+            log.warning("remote DSpark: %s", self._discovery.last_error)
+        added, removed = self._placement.update(members, now)
+        if added or removed:
+            self.stats.set("workers", len(self._placement.members))
+            log.info("remote DSpark worker set: %d workers (+%s -%s)",
+                     len(self._placement.members), added, removed)
+
+    def _take_drained(self, now: float) -> None:
+        ep, self._drained = self._drained, None
+        if ep is not None:
+            self._placement.hold(ep, now)
+
+    def _worker_draining(self, endpoint: str, where: str) -> None:
+        """``endpoint`` answered ST_DRAINING: keep away from it for the quiet period and, when
+        there is another worker, connect to it now (no backoff, no failure counted)."""
+        now = time.monotonic()
+        self.stats.inc("drained")
+        self._placement.hold(endpoint, now)
+        target = self._placement.target(now)
+        self.last_error = f"{endpoint} is draining ({where})"
+        if target is not None and target != endpoint:
+            self._retry_now = True
+            log.info("remote DSpark: %s is draining; moving to %s", endpoint, target)
+        else:
+            log.warning("remote DSpark: %s is draining and no other worker is known", endpoint)
 
     def _connect_failed(self, endpoint: str, e: BaseException) -> None:
         self.last_error = f"connect {endpoint}: {e}"
         self.stats.inc("connect_failures")
         self._fail_run += 1
-        self._endpoint_failures += 1
-        if len(self._endpoints) > 1 and self._endpoint_failures >= self.cfg.failover_after:
-            self._fail_over(endpoint)
+        self._resolve_soon = True
         now = time.monotonic()
+        if self._placement.connect_failed(endpoint, now):
+            target = self._placement.target(now)
+            if target is not None and target != endpoint:
+                self.stats.inc("failovers")
+                log.warning("remote DSpark: %s unreachable, failing over to %s", endpoint,
+                            target)
         if self._fail_run == 1:
             self._fail_logged = now
             log.warning("remote DSpark connect/HELLO to %s failed: %s", endpoint, e)
@@ -586,20 +684,100 @@ class RemoteDraftClient:
             log.warning("remote DSpark connect/HELLO to %s still failing after %d attempts: %s",
                         endpoint, self._fail_run, e)
 
+    def _while_connected(self) -> float:
+        """Re-resolve and move to a better-ranked worker when one became eligible; seconds
+        until this is worth doing again."""
+        if not self._discovery.dynamic and len(self._placement.members) < 2:
+            return math.inf
+        now = time.monotonic()
+        self._take_drained(now)
+        self._refresh(now)
+        better = self._placement.better(self._endpoint, now)
+        if better is not None:
+            self._move_to(better)
+            now = time.monotonic()
+        wait = self._placement.next_change(now)
+        if self._discovery.dynamic:
+            wait = min(wait, self._next_resolve - now)
+        return max(wait, MIN_TICK_S)
+
+    def _move_to(self, target: str) -> bool:
+        """Connect and HELLO to ``target`` under a new session while the engine keeps stepping
+        on the current connection; swap only when the HELLO is accepted (a new epoch: every
+        slot resyncs there). A refusal or failure holds ``target`` off for the quiet period."""
+        timeout = self.cfg.connect_timeout_ms / 1000.0
+        with self._lock:
+            session = self._fresh_session_locked()
+        old = self._endpoint
+        conn: RpcClient | None = None
+        deadline = time.monotonic() + timeout
+        try:
+            conn = self._factory(target)
+            conn.connect(timeout)
+            rep = self._hello_on(conn, session, max(deadline - time.monotonic(), 1e-3))
+            shm_ok = rep is not None and self._attach_shm(
+                conn, target, rep, session, max(deadline - time.monotonic(), 1e-3))
+        except (TransportError, wire.WireError, OSError) as e:
+            if conn is not None:
+                conn.close()
+            self._placement.hold(target, time.monotonic())
+            self.stats.inc("move_failures")
+            log.info("remote DSpark: staying on %s; %s did not take us: %s", old, target, e)
+            return False
+        if rep is None:  # refused fatally: the client is disabled
+            conn.close()
+            return False
+        # Swap with no request in flight on the old connection: closing it under a STEP would
+        # fail that STEP, and its failure would then drop the new connection.
+        if not self._io_lock.acquire(timeout=2 * self.cfg.timeout_ms / 1000.0 + 1.0):
+            conn.close()
+            self._placement.hold(target, time.monotonic())  # try again after a quiet period
+            return False
+        try:
+            with self._lock:
+                if self._shared.stop or self.disabled:
+                    conn.close()
+                    return False
+                self._drop_conn_locked()
+                self._shared.conn = conn
+                self._shm_conn = conn if shm_ok else None
+                self.session = session
+                self._ready = True
+                self.epoch += 1
+                epoch = self.epoch
+                self._backoff_ms = self.cfg.backoff_ms
+                self._endpoint = self._session_endpoint = target
+        finally:
+            self._io_lock.release()
+        self._placement.connected(target)
+        self._shared.ready_event.set()
+        self.worker_info = rep
+        self.stats.inc_many({"hellos": 1, "moves": 1})
+        self.stats.set("worker", {"name": rep.worker_name, "endpoint": target,
+                                  "max_slots": rep.max_slots,
+                                  "max_rows_per_step": rep.max_rows_per_step,
+                                  "capabilities": rep.capabilities, "resumed": rep.resumed})
+        log.info("remote DSpark: moved from %s to %s, worker %r (session %#010x, epoch %d)",
+                 old, target, rep.worker_name, session, epoch)
+        return True
+
     def _background_tick(self) -> float | None:
         """One pass of the connect thread: seconds to sleep (inf: until woken), or None to
         end the thread."""
         if self.disabled or self._shared.stop:
             return None
         if self._ready:
-            return math.inf
+            return self._while_connected()
         delay = self._next_attempt - time.monotonic()
         if delay > 0:
             return delay
         if self.connect_now():
-            return math.inf
+            return self._while_connected()
         if self.disabled:
             return None
+        if self._retry_now:  # a draining worker: the next one at once
+            self._retry_now = False
+            return 0.0
         with self._lock:
             return self._schedule_retry_locked()
 
@@ -808,6 +986,12 @@ class RemoteDraftClient:
         elif status in (wire.ST_NO_SESSION, wire.ST_STALE_SEQ):
             # Not applied; a fresh HELLO on a new connection fixes the session at once.
             self.mark_failed(f"STEP refused: {name}", backoff=False)
+        elif status == wire.ST_DRAINING:
+            # Not applied; the worker is going away: the connect thread holds it off and
+            # connects to the next-ranked worker at once (no backoff, not a failure).
+            self._drained = self._endpoint
+            self.stats.inc("drained")
+            self.mark_failed(f"STEP refused: {name} ({self._endpoint})", backoff=False)
         elif status == wire.ST_INTERNAL:
             # The worker dropped the session; HELLO again, after a backoff delay so that a
             # worker failing every STEP is not hammered.

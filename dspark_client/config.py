@@ -7,7 +7,6 @@ the value. Times are milliseconds, as engines configure them.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from typing import Any, Final
@@ -16,7 +15,9 @@ import msgspec
 
 from protocol.auth import read_secret_file
 
-from .transport import DEFAULT_MAX_REPLY_BYTES, EndpointError, parse_endpoint
+from .discovery import check_endpoint
+from .placement import rank
+from .transport import DEFAULT_MAX_REPLY_BYTES, EndpointError
 
 __all__ = ["DEFAULT_ENDPOINT", "RemoteConfig", "RemoteConfigError", "load_auth_secret"]
 
@@ -36,13 +37,21 @@ class RemoteConfigError(ValueError):
 class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where the worker is and the client's clocks.
 
-    endpoint: ``tcp://host:port`` or ``unix:///path``.
-    endpoints: further workers for failover. With several, the client starts on the one picked
-        by a stable hash of its client name (so engines spread over the list and each comes back
-        to the same worker after a restart) and moves to the next after ``failover_after``
-        failed connects or HELLOs in a row there, under a new session: the new worker starts
-        one with empty windows and the epoch change resyncs every slot (7.5).
-    failover_after: consecutive failed connects on one endpoint before moving to the next.
+    endpoint: ``tcp://host:port``, ``unix:///path``, or ``dns+tcp://name:port`` for every
+        worker whose address ``name`` resolves to (A and AAAA records; a Kubernetes headless
+        Service), resolved again while the client runs (``dspark_client.discovery``).
+    endpoints: further workers (any of the same forms). The worker set is all of them; the
+        client works with the best-ranked one for its client name by rendezvous hashing
+        (``dspark_client.placement``): engines spread over the set, each comes back to the same
+        worker after a restart, and adding or removing one of n workers moves about 1/n of the
+        engines. A move is under a new session: the new worker starts one with empty windows
+        and the epoch change resyncs every slot (7.5).
+    failover_after: consecutive failed connects or HELLOs on one worker before moving to the
+        next-ranked one. A worker answering ``ST_DRAINING`` is left at once.
+    return_after_ms: the quiet period. A worker that failed, drained or newly appeared becomes
+        a candidate again only after this long without failing (and listed this long); then an
+        engine that ranks it higher moves there (connecting first, so no round waits).
+    resolve_interval_ms: how often ``dns+tcp`` endpoints are resolved again.
     connect_timeout_ms: deadline of one connect plus HELLO (background thread only).
     timeout_ms: deadline of one STEP round trip; the engine never waits longer (7.5).
     backoff_ms / backoff_max_ms: reconnect delay after a failure, doubled per failure up to the
@@ -56,6 +65,8 @@ class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     endpoint: str = DEFAULT_ENDPOINT
     endpoints: tuple[str, ...] = ()
     failover_after: int = 2
+    return_after_ms: float = 10000.0
+    resolve_interval_ms: float = 5000.0
     connect_timeout_ms: float = 1000.0
     timeout_ms: float = 100.0
     backoff_ms: float = 100.0
@@ -69,16 +80,21 @@ class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for i, ep in enumerate((self.endpoint, *self.endpoints)):
             field = "endpoint" if i == 0 else f"endpoints[{i - 1}]"
             try:
-                parse_endpoint(ep)
+                check_endpoint(ep)
             except EndpointError as exc:
                 raise RemoteConfigError(field, ep, str(exc)) from None
         if isinstance(self.failover_after, bool) or self.failover_after < 1:
             raise RemoteConfigError("failover_after", self.failover_after,
                                     "must be an integer >= 1")
-        for field in ("connect_timeout_ms", "timeout_ms", "backoff_ms", "backoff_max_ms"):
+        for field in ("connect_timeout_ms", "timeout_ms", "backoff_ms", "backoff_max_ms",
+                      "resolve_interval_ms"):
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise RemoteConfigError(field, value, "must be a finite number of ms above 0")
+        if not (isinstance(self.return_after_ms, (int, float))
+                and math.isfinite(self.return_after_ms) and self.return_after_ms >= 0):
+            raise RemoteConfigError("return_after_ms", self.return_after_ms,
+                                    "must be a finite number of ms >= 0")
         if self.backoff_max_ms < self.backoff_ms:
             raise RemoteConfigError("backoff_max_ms", self.backoff_max_ms,
                                     f"must be at least backoff_ms ({self.backoff_ms})")
@@ -98,14 +114,16 @@ class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     @property
     def all_endpoints(self) -> tuple[str, ...]:
-        """``endpoint`` then ``endpoints``: the failover ring."""
+        """``endpoint`` then ``endpoints``, as configured (DNS ones unresolved)."""
         return (self.endpoint, *self.endpoints)
 
     def home_index(self, client_name: str) -> int:
-        """Where in ``all_endpoints`` a client of this name starts: a stable hash of the name
-        (SHA-256, not Python's salted ``hash``), the same in every process and on every host."""
-        digest = hashlib.sha256(client_name.encode("utf-8")).digest()
-        return int.from_bytes(digest[:8], "little") % len(self.all_endpoints)
+        """Where in ``all_endpoints`` a client of this name starts when all are up: its
+        best-ranked endpoint by rendezvous hashing (``placement.rank``: SHA-256 of the name
+        and the endpoint), the same in every process and on every host. For a ``dns+tcp``
+        endpoint the ranking is over its resolved addresses instead."""
+        eps = self.all_endpoints
+        return eps.index(rank(client_name, eps)[0])
 
     def secret(self) -> bytes | None:
         """The shared secret, reading ``auth_secret_file`` if that is how it is given."""

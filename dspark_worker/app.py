@@ -3,8 +3,10 @@
 ``WorkerApp`` puts the parts together: metrics server first (so ``/healthz`` answers 503 while
 the drafter loads), then the drafter and its ring pool, the runner, dispatch and the listeners;
 then the port file, which says the worker is listening and ready. ``stop()`` is the graceful
-shutdown of SIGTERM/SIGINT: stop accepting and reading, let every STEP already accepted finish
-and be answered, close the connections, exit 0.
+shutdown of SIGTERM/SIGINT: first a drain of up to ``drain_s`` in which HELLO and STEP are answered
+``ST_DRAINING`` (engines move to another worker without a timeout, contract section 5) while
+every STEP already accepted finishes; it ends once no connection is left. Then stop accepting
+and reading, let every STEP still queued finish and be answered, close the connections, exit 0.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ log = logging.getLogger("dspark_worker")
 
 # How often idle sessions are looked for: a small fraction of the idle limit, at most 5 s.
 EXPIRY_SCAN_MAX_S = 5.0
+# How often the drain looks whether every connection has gone.
+DRAIN_POLL_S = 0.02
+# The drain also ends when no frame arrived for this long: an engine that steps hears DRAINING
+# within one round (milliseconds while it serves), so what is left are idle connections, which
+# the close tells soon enough; a slow engine round must not end it early.
+DRAIN_QUIET_S = 2.0
 
 
 class StartupError(RuntimeError):
@@ -387,9 +395,29 @@ class WorkerApp:
         log.info("%s: shutting down", signal.Signals(sig).name)
         self.request_stop()
 
+    async def _drain_connections(self, server: WorkerServer, limit_s: float) -> None:
+        """Keep listening while every HELLO and STEP gets ST_DRAINING and its connection closes,
+        until no connection is left, no frame came for DRAIN_QUIET_S, or ``limit_s`` passed.
+        A second signal aborts the connections."""
+        n = len(server.connections)
+        log.info("draining: HELLO and STEP answer DRAINING for up to %.1f s (%d connections)",
+                 limit_s, n)
+        start = time.perf_counter()  # the clock of the frames' arrival times
+        deadline = start + limit_s
+        while server.connections:
+            now = time.perf_counter()
+            last = self.dispatcher.last_frame_at if self.dispatcher is not None else start
+            if now >= deadline or now - max(start, last) >= DRAIN_QUIET_S:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        if server.connections:
+            log.info("drain: %d connections still open after %.1f s", len(server.connections),
+                     limit_s)
+
     async def stop(self) -> int:
-        """Graceful shutdown: stop accepting, answer every STEP already accepted (up to
-        shutdown_timeout_s), close. The exit code: 0, or 1 when the runner had died."""
+        """Graceful shutdown: drain (up to drain_s), stop accepting, answer every STEP already
+        accepted (up to shutdown_timeout_s), close. The exit code: 0, or 1 when the runner had
+        died."""
         if self._stopped:
             return 0
         self._stopped = True
@@ -398,6 +426,8 @@ class WorkerApp:
         if self.dispatcher is not None:
             self.dispatcher.draining = True
         self.metrics.ready.set(0)
+        if self.server is not None and self.config.drain_s > 0:
+            await self._drain_connections(self.server, self.config.drain_s)
         if self.server is not None:
             await self.server.stop_accepting()
             busy = self.server.busy_connections()

@@ -17,6 +17,7 @@ from typing import Any, Final
 from . import __version__
 from .config import (
     DEFAULT_CONNECTION_IDLE_S,
+    DEFAULT_DRAIN_S,
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_LISTEN,
     DEFAULT_MAX_CONNECTIONS,
@@ -98,6 +99,10 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
     ("shed_queue_steps", "N", int,
      f"STEPs waiting for the device above which new STEPs apply their rows but skip"
      f" drafting (RS_SHED). Default: {DEFAULT_SHED_QUEUE_STEPS}."),
+    ("drain_s", "SECONDS", float,
+     f"on SIGTERM, how long HELLO and STEP are answered ST_DRAINING (engines move to another"
+     f" worker at once) before the worker stops listening; ends early once every connection"
+     f" has closed; 0 skips it. Default: {DEFAULT_DRAIN_S:g}."),
     ("shutdown_timeout_s", "SECONDS", float,
      f"on SIGTERM, how long in-flight STEPs may take before connections are closed anyway."
      f" Default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g}."),

@@ -56,6 +56,10 @@ DEFAULT_CONNECTION_IDLE_S: Final = 60.0
 DEFAULT_SHED_QUEUE_STEPS: Final = 32
 # SIGTERM: how long in-flight STEPs may take to finish before connections are closed anyway.
 DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
+# SIGTERM: how long the worker keeps answering HELLO and STEP with ST_DRAINING (so every engine
+# hears "go elsewhere" on its next round instead of timing out) before it stops listening; it
+# ends sooner once every connection has closed. Well inside Kubernetes' 30 s grace period.
+DEFAULT_DRAIN_S: Final = 5.0
 # Frames received on one connection and not yet answered before the worker stops reading from
 # it: the contract allows one in flight, so more is a misbehaving client; bounds its memory.
 MAX_PENDING_FRAMES_PER_CONNECTION: Final = 4
@@ -113,6 +117,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S
     shed_queue_steps: int = DEFAULT_SHED_QUEUE_STEPS
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    drain_s: float = DEFAULT_DRAIN_S
     listen: str | None = DEFAULT_LISTEN
     unix: str | None = None
     metrics_listen: str | None = DEFAULT_METRICS_LISTEN
@@ -168,6 +173,9 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
     positive_seconds("handshake_timeout_s")
     positive_seconds("connection_idle_s")
     positive_seconds("shutdown_timeout_s")
+    if isinstance(c.drain_s, bool) or not (isinstance(c.drain_s, (int, float))
+                                           and math.isfinite(c.drain_s) and c.drain_s >= 0):
+        out.append(("drain_s", c.drain_s, "must be a finite number of seconds >= 0"))
     if c.device not in DEVICES and not c.device.startswith("cuda:"):
         out.append(("device", c.device, f"is not one of {', '.join(DEVICES)} or cuda:N"))
     if c.dtype not in DTYPES:

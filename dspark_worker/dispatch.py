@@ -15,6 +15,8 @@ What each op does:
   HelloReply, on a refusal too.
 * STEP (7.2): session and seq, decode, shape, generations (host side, on arrival), then the
   runner applies rows and drafts.
+* While draining (SIGTERM, section 5): HELLO and STEP get ST_DRAINING, nothing applied, and the
+  connection closes after the reply; STEPs accepted before the drain began finish normally.
 * PING (10): answered at once, with or without a session.
 * STATS (10): the JSON below, with or without a session.
 * RESET (10): the listed slots' windows (count 0: all) are dropped, in order with the STEPs.
@@ -89,6 +91,7 @@ from protocol.constants import (
     SAMPLE_MODE_NAMES,
     SAMPLE_TOP32,
     SF_ROWS_SHM,
+    ST_DRAINING,
     ST_INTERNAL,
     ST_NO_SESSION,
     ST_OK,
@@ -100,6 +103,7 @@ from protocol.constants import (
 from protocol.errors import (
     AuthError,
     BadFrameError,
+    DrainingError,
     FrameTooLargeError,
     GeometryError,
     IdentityError,
@@ -261,6 +265,7 @@ class Dispatcher:
         self.started = clock()
         self.draining = False
         self.ready = True
+        self.last_frame_at = 0.0  # perf_counter of the newest frame: the drain ends when quiet
         self.connected: Callable[[int], bool] = lambda conn_id: True
         self._handlers: dict[int, Callable[[Conn, Frame, float], Reply | None]] = {
             OP_HELLO: self._hello,
@@ -287,6 +292,7 @@ class Dispatcher:
         """Answer one frame. Returns None when a STEP went to the runner."""
         h = fr.header
         self.metrics.received(APP_HEADER_SIZE + h.body_len)
+        self.last_frame_at = t_arrival
         try:
             if h.version != VERSION:
                 raise VersionError(f"contract version {h.version} is not spoken; this worker"
@@ -295,6 +301,8 @@ class Dispatcher:
             if h.status != 0:
                 raise BadFrameError(f"request carries status {h.status}; requests carry 0",
                                     field="status", value=h.status, limit=0)
+            if self.draining and h.op in (OP_HELLO, OP_STEP):
+                raise DrainingError("the worker is shutting down; connect to another worker")
             handler = self._handlers.get(h.op)
             if handler is None:
                 raise BadFrameError(f"unknown op {h.op}", field="op", value=h.op)
@@ -315,7 +323,9 @@ class Dispatcher:
 
     def _refuse(self, conn: Conn, h: AppHeader, exc: WireError) -> Reply:
         status = exc.status
-        close = status == ST_VERSION or isinstance(exc, FrameTooLargeError)
+        # ST_DRAINING closes too: a client that does not know the status reconnects, and the
+        # drain ends sooner (app.WorkerApp.stop waits for the connections to go).
+        close = status in (ST_VERSION, ST_DRAINING) or isinstance(exc, FrameTooLargeError)
         body: bytes = b""
         if h.op == OP_HELLO:
             body = self.info.hello_reply().pack()

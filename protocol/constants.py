@@ -36,6 +36,8 @@ ST_NO_SESSION: Final = 1
 ST_STALE_SEQ: Final = 2
 ST_BUSY: Final = 3
 ST_INTERNAL: Final = 4
+# The worker is shutting down: it applied nothing; the client goes to another worker at once.
+ST_DRAINING: Final = 5
 ST_BAD_FRAME: Final = 16
 ST_VERSION: Final = 17
 ST_IDENTITY: Final = 18
@@ -48,6 +50,7 @@ FRAME_STATUS_NAMES: Final[dict[int, str]] = {
     ST_STALE_SEQ: "STALE_SEQ",
     ST_BUSY: "BUSY",
     ST_INTERNAL: "INTERNAL",
+    ST_DRAINING: "DRAINING",
     ST_BAD_FRAME: "BAD_FRAME",
     ST_VERSION: "VERSION",
     ST_IDENTITY: "IDENTITY",

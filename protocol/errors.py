@@ -13,6 +13,7 @@ from .constants import (
     ST_AUTH,
     ST_BAD_FRAME,
     ST_BUSY,
+    ST_DRAINING,
     ST_GEOMETRY,
     ST_IDENTITY,
     ST_INTERNAL,
@@ -100,6 +101,10 @@ class InternalError(WireError):
     status = ST_INTERNAL
 
 
+class DrainingError(WireError):
+    status = ST_DRAINING
+
+
 ERROR_FOR_STATUS: dict[int, type[WireError]] = {
     cls.status: cls
     for cls in (
@@ -113,5 +118,6 @@ ERROR_FOR_STATUS: dict[int, type[WireError]] = {
         StaleSeqError,
         BusyError,
         InternalError,
+        DrainingError,
     )
 }

@@ -319,7 +319,26 @@ def test_k8s_kustomizations_name_existing_files() -> None:
 
 def test_k8s_grace_period_covers_the_drain() -> None:
     pod = k8s_objects()["StatefulSet"]["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] > k8s_config().shutdown_timeout_s
+    cfg = k8s_config()
+    assert pod["terminationGracePeriodSeconds"] > cfg.drain_s + cfg.shutdown_timeout_s
+
+
+def test_k8s_engine_config_names_the_headless_service() -> None:
+    """The engines' RemoteConfig loads, and its DNS endpoint is the headless Service's name and
+    draft port: scaling the StatefulSet changes nothing on the engine side."""
+    from dspark_client.config import RemoteConfig
+    from dspark_client.discovery import parse_dns_endpoint
+
+    objs = k8s_objects()
+    cm = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "engine-config.yaml").read_text())
+    cfg = RemoteConfig.from_dict(json.loads(cm["data"]["remote.json"]))
+    name, port = parse_dns_endpoint(cfg.endpoint)
+    svc = objs["Service"]
+    assert svc["spec"]["clusterIP"] == "None" and name == svc["metadata"]["name"]
+    assert port in [p["port"] for p in svc["spec"]["ports"] if p["name"] == "draft"]
+    assert objs["StatefulSet"]["spec"]["serviceName"] == name
+    secret_mount = "/etc/dspark/auth/secret"
+    assert cfg.auth_secret_file == secret_mount
 
 
 def test_k8s_service_podmonitor_and_networkpolicy_use_real_ports() -> None:

@@ -176,3 +176,71 @@ def test_seed_client_hello_and_steps(seed_module: Any, drafter: Any, worker: Wor
         assert status == wire.ST_OK and b"worker_name" in body
     finally:
         client.close()
+
+
+def test_seed_client_meets_a_draining_worker(seed_module: Any, drafter: Any) -> None:
+    """ST_DRAINING (5) is a status the seed client does not know. On STEP it fails that round
+    (not applied, no resync needed) and, the worker having closed the connection, reconnects;
+    a HELLO answered DRAINING is a failed connect retried with backoff. It is never disabled."""
+    import signal
+    import time
+
+    from dspark_client.config import RemoteConfig
+    from dspark_client.stats import Stats
+    from dspark_client.transport import make_client
+
+    with start_worker("--window", str(W), "--max-slots", "8", "--max-total-slots", "16",
+                      "--device", "cpu", "--no-warmup", "--drain-s", "60") as w:
+        assert w.endpoint is not None
+        cfg = RemoteConfig(endpoint=w.endpoint, connect_timeout_ms=2000, timeout_ms=2000,
+                           backoff_ms=20, backoff_max_ms=100)
+        stats = Stats()
+        client = seed_module.RemoteDraftClient(cfg, _hello(drafter, False, "seed-drain"),
+                                               stats=stats)
+        # A second connection that keeps PINGing holds the drain open (it ends once no frame
+        # came for a second), so the seed's reconnect meets a draining worker too.
+        keeper = make_client(w.endpoint)
+        keeper.connect(2.0)
+        kbuf = bytearray(1 << 12)
+        seq = [0]
+
+        def ping() -> int:
+            seq[0] += 1
+            n = keeper.request(wire.frame(wire.OP_PING, seq[0], 0, b""), kbuf, 5.0)
+            return wire.split_frame(memoryview(kbuf)[:n])[0].status
+
+        try:
+            deadline = time.monotonic() + 20
+            while not client.ready:
+                assert time.monotonic() < deadline and client.disabled_reason is None, (
+                    client.last_error, client.disabled_reason)
+                time.sleep(0.01)
+            rng = np.random.default_rng(9)
+            rows = _rows(drafter, rng, 9)
+            entries = [wire.ReqEntry(slot=0, generation=1, anchor_pos=9, anchor_token=7,
+                                     n_rows=9, flags=wire.RF_NEED_DRAFT | wire.RF_RESET)]
+            buf = bytearray(1 << 16)
+            out = client.step(buf, entries, 9, 1, epoch=client.epoch, rows=rows)
+            assert out.ok, out.reason
+            assert ping() == wire.ST_OK
+            w.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert ping() == wire.ST_OK  # PING is still answered while draining
+            out = client.step(buf, entries, 9, 2, epoch=client.epoch, rows=rows)
+            assert not out.ok and out.reason == "frame_draining" and not out.unknown_apply
+            assert client.disabled_reason is None
+            # The worker closed that connection: the next round fails on the transport, and
+            # the seed reconnects; its HELLO meets DRAINING and is retried with backoff.
+            out = client.step(buf, entries, 9, 3, epoch=client.epoch, rows=rows)
+            assert not out.ok
+            deadline = time.monotonic() + 20
+            while "DRAINING" not in (client.last_error or ""):
+                assert time.monotonic() < deadline, client.last_error
+                assert ping() == wire.ST_OK
+                time.sleep(0.1)
+            assert stats.get("connect_failures") >= 1
+            assert client.disabled_reason is None and not client.disabled
+        finally:
+            client.close()
+            keeper.close()
+        assert w.proc.wait(30) == 0

@@ -70,7 +70,8 @@ def test_values_are_the_contract_s() -> None:
             wire.ST_LIMITS, wire.ST_AUTH) == (16, 17, 18, 19, 20, 21)
     assert isinstance(wire.FATAL_FRAME_STATUS, frozenset)
     assert set(wire.FATAL_FRAME_STATUS) == set(range(16, 22))
-    assert set(wire.FRAME_STATUS_NAMES) == {0, 1, 2, 3, 4, *range(16, 22)}
+    assert set(wire.FRAME_STATUS_NAMES) == {0, 1, 2, 3, 4, 5, *range(16, 22)}
+    assert wire.ST_DRAINING == 5 and wire.ST_DRAINING not in wire.FATAL_FRAME_STATUS
     assert wire.FRAME_STATUS_NAMES[wire.ST_NO_SESSION] == "NO_SESSION"
     assert (wire.SAMPLE_GREEDY, wire.SAMPLE_TOP32, wire.TAPS_BF16) == (0, 1, 1)
     assert (wire.CAP_TAPS_BF16, wire.CAP_TOP32, wire.CAP_MARGIN) == (1, 2, 4)

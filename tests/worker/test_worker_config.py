@@ -51,7 +51,7 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
         "max_sessions = 4", "max_total_slots = 64", "max_connections = 8",
         "max_frame_bytes = 1000000", "max_shm_region_bytes = 0", "session_idle_s = 10.5",
         "partial_frame_timeout_s = 2", "handshake_timeout_s = 4", "connection_idle_s = 7",
-        "shed_queue_steps = 3", "shutdown_timeout_s = 5",
+        "shed_queue_steps = 3", "shutdown_timeout_s = 5", "drain_s = 2.5",
         'listen = "0.0.0.0:9000"', 'unix = "/run/d.sock"', 'metrics_listen = "[::1]:9001"',
         'worker_name = "w1"', 'auth_secret_file = "/s"', 'port_file = "/p"',
         'log_level = "debug"', "warmup = false"])
@@ -59,6 +59,7 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
     given = {line.split(" = ")[0] for line in text.splitlines()}
     assert given == set(WorkerConfig.__struct_fields__)  # the file names every field
     assert c.max_frame_bytes == 1_000_000 and c.metrics_listen == "[::1]:9001"
+    assert c.drain_s == 2.5
     assert c.max_shm_region_bytes == 0
 
 
@@ -71,6 +72,7 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
     ('listen = "localhost"', "listen", "localhost"),
     ('listen = "host:99999"', "listen", "host:99999"),
     ("session_idle_s = 0", "session_idle_s", 0),
+    ("drain_s = -1", "drain_s", -1),
     ('log_level = "loud"', "log_level", "loud"),
     ("max_frame_bytes = 10", "max_frame_bytes", 10),
     ("max_shm_region_bytes = -1", "max_shm_region_bytes", -1),

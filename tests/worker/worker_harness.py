@@ -53,7 +53,7 @@ def worker_config(**overrides: Any) -> WorkerConfig:
         listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", window=TEST_WINDOW,
         max_slots=TEST_MAX_SLOTS, max_total_slots=TEST_TOTAL_SLOTS,
         max_rows_per_step=TEST_MAX_ROWS, worker_name="test-worker", warmup=False,
-        log_level="WARNING")
+        log_level="WARNING", drain_s=0.0)  # stop at once; the drain has its own tests
     values.update(overrides)
     return WorkerConfig(**values)
 
