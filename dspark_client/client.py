@@ -15,7 +15,10 @@ generation; its shape matches the STEP; its values keep section 6.3
 section 9.2 (``protocol.sampled.validate``) and every draw re-derives from (seed, generation,
 position) (``protocol.sampled.check_draws``). A refused reply fails the round: the connection
 is dropped and every slot of the STEP resyncs. A fatal frame status (section 5) disables remote
-drafting for the engine run.
+drafting for the engine run, except ST_BAD_FRAME on a STEP over ``SIZE_SUSPECT_BYTES``, which
+may be the worker's frame limit: that round fails and ``DraftRounds`` lowers its row budget. A
+HELLO refused ST_STALE_SEQ (the id is held with a higher seq: taken over or replayed) moves the
+client to a new random session id (7.5).
 
 Workers. The endpoints name a set of workers (static, or ``dns+tcp://name:port`` resolved on
 the connect thread, ``discovery``); the client works with the best-ranked one for its client
@@ -75,7 +78,7 @@ from .shm import attach as shm_attach
 from .stats import Stats
 from .transport import RpcClient, TransportError, TransportTimeout, make_client, parse_endpoint
 
-__all__ = ["CONNECT_FAIL_LOG_S", "RemoteDraftClient", "StepOutcome"]
+__all__ = ["CONNECT_FAIL_LOG_S", "SIZE_SUSPECT_BYTES", "RemoteDraftClient", "StepOutcome"]
 
 log = logging.getLogger("dspark_client")
 
@@ -90,6 +93,10 @@ AUX_REPLY_BYTES: Final = 1 << 16
 GOODBYE_TIMEOUT_S: Final = 0.5
 # The HELLO reply buffer: a HelloReply fits many times over.
 HELLO_REPLY_BYTES: Final = 1 << 12
+# A STEP body above this may be refused for its size alone (a worker's --max-frame-bytes is never
+# below 64 KiB): ST_BAD_FRAME on such a STEP fails the round instead of disabling the client,
+# and DraftRounds lowers its row budget after repeated ones (7.5).
+SIZE_SUSPECT_BYTES: Final = 64 << 10
 _ENTRIES_AT: Final = wire.APP_HEADER_SIZE + STEP_HEADER_SIZE  # entries' offset in a STEP frame
 # While connected, the thread wakes for re-resolution and placement changes no more often
 # than this.
@@ -353,6 +360,10 @@ class RemoteDraftClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def disable(self, reason: str) -> None:
+        """Stop remote drafting for this engine run (every round is target-only from now)."""
+        self._disable(reason)
+
     def _disable(self, reason: str) -> None:
         self.disabled_reason = reason
         self.stats.inc("remote_disabled")
@@ -516,9 +527,12 @@ class RemoteDraftClient:
         if h.status != wire.ST_OK:
             name = wire.FRAME_STATUS_NAMES.get(h.status, str(h.status))
             if h.status in wire.FATAL_FRAME_STATUS:
-                self._disable(f"HELLO refused: {name}{self._differences(rep)}")
+                self._disable(f"HELLO refused: {name}{self._differences(rep)}"
+                              + (self._limits_hint() if h.status == wire.ST_LIMITS else ""))
                 return None
             self.last_refusal = h.status
+            if h.status == wire.ST_STALE_SEQ:
+                self._session_taken(session)
             if h.status == wire.ST_DRAINING:
                 raise _WorkerDraining("HELLO refused: DRAINING")
             raise wire.WireError(f"HELLO refused: {name}")
@@ -530,6 +544,33 @@ class RemoteDraftClient:
             self._disable("HELLO reply does not match this engine: " + "; ".join(problems))
             return None
         return rep
+
+    def _limits_hint(self) -> str:
+        """What ST_LIMITS may be about beyond the HelloReply's fields: the frame limit."""
+        ours = self.hello
+        body = wire.rows_offset_for(ours.max_slots) + ours.max_rows_per_step * ours.row_bytes
+        return (f"; this engine's largest STEP is {wire.APP_HEADER_SIZE + body} bytes"
+                f" (max_slots {ours.max_slots}, max_rows_per_step {ours.max_rows_per_step},"
+                f" {ours.row_bytes}-byte rows): raise the worker's --max-frame-bytes or lower"
+                " max_rows_per_step")
+
+    def _session_taken(self, session: int) -> None:
+        """HELLO refused ST_STALE_SEQ: the worker holds this session id with a higher seq than
+        ours, so someone else HELLOed with it (a takeover, or a replay). Our seq can never
+        catch up with theirs: the next attempt uses a new random id (an empty session, so
+        every slot resyncs)."""
+        with self._lock:
+            if self.session != session:
+                return
+            new = session
+            while new in (session, 0):
+                new = secrets.randbits(32)
+            self.session = new
+        self.stats.inc("new_sessions")
+        self.stats.inc("hello_stale_seq_total")
+        log.warning("remote DSpark: HELLO for session %#010x refused STALE_SEQ (another"
+                    " connection holds it with a higher seq); starting session %#010x",
+                    session, new)
 
     def _attach_shm(self, conn: RpcClient, endpoint: str, rep: wire.HelloReply, session: int,
                     timeout: float) -> bool:
@@ -874,7 +915,8 @@ class RemoteDraftClient:
                                    rtt_us=(time.perf_counter() - t0) * 1e6)
             rtt_us = (time.perf_counter() - t0) * 1e6
             self.stats.observe(RTT_KEY, rtt_us * 1e-6, STEP_RTT_BUCKETS)
-            out = self._check_step_reply(size, seq, session, step_id, entries, sent, rtt_us)
+            out = self._check_step_reply(size, seq, session, step_id, entries, sent, rtt_us,
+                                         body_len)
             counts: dict[str, float] = {"steps": 1, "bytes_sent": wire.APP_HEADER_SIZE + body_len,
                                         "bytes_received": size}
             if shm_at is not None:
@@ -909,7 +951,7 @@ class RemoteDraftClient:
 
     def _check_step_reply(self, size: int, seq: int, session: int, step_id: int,
                           entries: Sequence[wire.ReqEntry], sent: np.ndarray,
-                          rtt_us: float) -> StepOutcome:
+                          rtt_us: float, body_len: int = 0) -> StepOutcome:
         hello = self.hello
         try:
             h, body = wire.split_frame(memoryview(self._resp)[:size])
@@ -919,6 +961,16 @@ class RemoteDraftClient:
                                      f" session={session:#x}")
         except wire.WireError as e:
             return self._bad_reply(e, rtt_us)
+        if h.status == wire.ST_BAD_FRAME and body_len > SIZE_SUSPECT_BYTES:
+            # Possibly its size alone (the worker's frame limit): not a reason to stop for the
+            # engine run yet. The worker closes the connection after a too-large frame.
+            self.stats.inc("step_frame_bad_frame")
+            log.warning("remote DSpark: STEP of %d bytes refused BAD_FRAME (over the worker's"
+                        " frame limit?)", wire.APP_HEADER_SIZE + body_len)
+            self.mark_failed(f"STEP of {wire.APP_HEADER_SIZE + body_len} bytes refused"
+                             " BAD_FRAME")
+            return StepOutcome(False, reason="frame_bad_frame_size", rtt_us=rtt_us,
+                               status=h.status)
         if h.status != wire.ST_OK:
             return self._refused(h.status, rtt_us)
         try:

@@ -17,13 +17,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from protocol import wire
 from protocol.constants import SAMPLE_GREEDY, SAMPLE_TOP32
 from protocol.identity import identities_from_checkpoint
 
-__all__ = ["hello_from_checkpoint"]
+__all__ = ["DEFAULT_MAX_ROWS_PER_STEP", "default_max_rows_per_step", "hello_from_checkpoint"]
+
+# The cap of the default row budget: the worker's default --max-rows-per-step (four windows of
+# its default W = 1024, 105 MB at Qwen3-4B's 25.6 KiB rows). A client with defaults never
+# announces more than a worker with defaults accepts, and the worker's automatic frame limit is
+# sized from that same number, so such a client never sends a STEP refused for its size.
+DEFAULT_MAX_ROWS_PER_STEP: Final = 4096
+
+
+def default_max_rows_per_step(window: int, max_slots: int) -> int:
+    """A full resync of every slot in one STEP (``W * max_slots``) where that fits under
+    ``DEFAULT_MAX_ROWS_PER_STEP``; else that cap, and the rounds share it oldest first
+    (``dspark_client.rounds``, docs/architecture.md). Never below W (one slot's resync)."""
+    return max(window, min(DEFAULT_MAX_ROWS_PER_STEP, window * max_slots))
 
 
 def _field(cfg: dict[str, Any], path: Path, *names: str) -> Any:
@@ -44,8 +57,8 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
 
     window / max_slots: what the engine will use (the worker must serve this W and at least
     these slots). max_rows_per_step: the most rows one STEP will carry (default
-    ``max(window, 4 * max_slots)``: one resync, or a few rows per slot; the worker must allow
-    it). target_checkpoint: where embed_tokens / lm_head come from when the drafter
+    ``default_max_rows_per_step``: every slot's resync in one STEP up to 4096 rows; the worker
+    must allow it). target_checkpoint: where embed_tokens / lm_head come from when the drafter
     lacks them (they enter the identity). target_hidden_size: the target's hidden size when the
     drafter's config does not name it (``target_hidden_size``, else its ``hidden_size``)."""
     path = Path(checkpoint)
@@ -64,7 +77,8 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
                                               "hidden_size"))
     n_taps = len(taps)
     drafter_id, markov_id = identities_from_checkpoint(path, target_checkpoint)
-    rows = max_rows_per_step if max_rows_per_step is not None else max(window, 4 * max_slots)
+    rows = (max_rows_per_step if max_rows_per_step is not None
+            else default_max_rows_per_step(window, max_slots))
     return wire.Hello(sample_mode=SAMPLE_TOP32 if sampled else SAMPLE_GREEDY, window=window,
                       num_spec=num_spec, max_slots=max_slots, max_rows_per_step=rows,
                       row_bytes=n_taps * hidden * 2, vocab_size=vocab, n_taps=n_taps,

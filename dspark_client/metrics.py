@@ -17,6 +17,8 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, NamedTuple
 
+from .stats import COUNTERS as STATS_COUNTERS
+from .stats import GAUGES as STATS_GAUGES
 from .stats import Stats
 
 __all__ = ["PREFIX", "STEP_RTT_BUCKETS", "MetricFamily", "client_metrics", "families",
@@ -44,8 +46,11 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
                                      " like)."),
     "slots_resynced": ("slots_resynced", "Slot entries sent as a resync (RF_RESET with the"
                                          " newest window rows)."),
-    "slots_deferred": ("slots_deferred", "Slot entries left out of a round by"
-                                         " max_rows_per_step (target-only for that slot)."),
+    "deferred_slots_total": ("deferred_slots", "Slot entries left out of a round by the row"
+                                               " budget (no drafts for that slot that round;"
+                                               " they go oldest first)."),
+    "starved_slots_total": ("starved_slots", "Times a slot was left out of fair_bound_rounds"
+                                             " rounds in a row (see starved_slots_now)."),
     "steps": ("steps", "STEPs answered by the worker (any status)."),
     "steps_ok": ("steps_accepted", "STEP replies that passed every check."),
     "step_timeouts": ("step_timeouts", "STEPs not answered within timeout_ms."),
@@ -153,13 +158,15 @@ def families(source: Any) -> list[MetricFamily]:
                 add(stem[:-len("_us_total")] + "_seconds", f"Client time {key}, in seconds.",
                     value * 1e-6)
             else:
-                add(stem.removesuffix("_total"), f"Client counter {key}.", value)
+                add(stem.removesuffix("_total"),
+                    STATS_COUNTERS.get(key, f"Client counter {key}."), value)
     out = list(counters.values())
     gauges: dict[str, int | float] = dict.fromkeys(GAUGES, 0)  # 0 before the first HELLO
     gauges.update({k: int(v) if isinstance(v, bool) else v for k, v in values.items()
                    if isinstance(v, (int, float))})
     for key, value in sorted(gauges.items()):
-        name, help_ = GAUGES.get(key) or (_NAME_CHARS.sub("_", key), f"Client value {key}.")
+        name, help_ = GAUGES.get(key) or (_NAME_CHARS.sub("_", key),
+                                          STATS_GAUGES.get(key, f"Client value {key}."))
         out.append(MetricFamily(f"{p}_{name}", "gauge", help_, (), {(): value}))
     out.append(MetricFamily(f"{p}_disabled", "gauge", "1 once remote drafting is off for this"
                             " engine run (a fatal status; the log says why).", (),

@@ -17,9 +17,24 @@ generation, anchor, the tap rows committed since the last call and the draft dep
 * returns per slot the usable drafts, or a target-only round when the STEP failed. It never
   waits past the client's ``timeout_ms``, and RS_STALE_GENERATION starts a new session.
 
-Rows in one STEP are bounded by ``max_rows_per_step``: continuing slots go first, then resyncs
-(the longest waiting first); a slot that does not fit waits for a later round (target-only this
-round, its rows kept in the ring, still marked for resync). Entries keep the engine's order.
+Rows in one STEP are bounded by a row budget (``max_rows_per_step``, lowered after STEPs
+refused or cut off for their size, see below). Over the budget, entries go oldest first: a slot
+left out of a round ages by one, and entries are taken in order of age, then continuing before
+resync, then the engine's order, while they fit. The first entry always goes (a resync needs at
+most W rows and the budget is at least W), so with ``q = budget // W`` a slot the engine asks for
+every round waits at most ``ceil(n / q) - 1`` rounds in a row for n slots asked
+(``fair_bound_rounds``); docs/architecture.md has the argument and the trade-off. A slot left
+out keeps its rows in the ring and, if the worker's window was valid, stays a continuing slot
+with a backlog (the worker's window still ends where it did; the next entry sends the missing
+rows, at most W), so one deferral does not turn into a full resync. Entries keep the engine's
+order on the wire.
+
+Size refusals (contract 7.5). A STEP whose connection is cut while sending, or that is refused
+``ST_BAD_FRAME`` while larger than ``SIZE_SUSPECT_BYTES``, twice in a row, halves the budget
+(``row_budget``); below W a resync goes out in parts: RF_RESET with the oldest rows first, then
+plain entries that continue it, and the slot drafts when its window reaches the anchor. The
+budget is probed upwards again after a run of good STEPs. Under ``MIN_ROW_BUDGET`` the client is
+disabled with a message naming the sizes.
 
 Copies per round: a continuing slot's new rows are copied once into staging and scattered from
 there into the ring in one call; a resync's rows are gathered from the ring into staging. The
@@ -31,6 +46,8 @@ object's zero arrays) and stay valid until the next ``run``. Copy what must live
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
@@ -43,14 +60,39 @@ from protocol import wire
 from protocol.constants import MAX_TOP_K
 from protocol.messages import ReqEntry
 
-from .client import RemoteDraftClient
+from .client import SIZE_SUSPECT_BYTES, RemoteDraftClient
 from .ring import TapRing
 
-__all__ = ["NOT_SENT", "DraftRounds", "RoundResult", "SlotRequest"]
+__all__ = ["MIN_ROW_BUDGET_PARTS", "NOT_SENT", "PROBE_AFTER_OK_STEPS", "SIZE_FAILURES_TO_SHRINK",
+           "DraftRounds", "RoundResult", "SlotRequest", "fair_bound_rounds"]
+
+log = logging.getLogger("dspark_client")
 
 # Request status reported for a slot that was not in the STEP (failed round, deferred).
 NOT_SENT: Final = 255
 _NO_EPOCH: Final = -1
+# Size refusals in a row (STEPs over SIZE_SUSPECT_BYTES cut off or refused ST_BAD_FRAME) that
+# halve the row budget: one alone is as likely a worker restart or a network cut.
+SIZE_FAILURES_TO_SHRINK: Final = 2
+# Good STEPs after which a lowered budget is doubled again (the worker may have been restarted
+# with a larger limit); the wait doubles after every probe that fails, so a worker that keeps
+# refusing sees one probe every 256, 512, 1024 ... rounds.
+PROBE_AFTER_OK_STEPS: Final = 256
+# The row budget never goes under ceil(W / MIN_ROW_BUDGET_PARTS): a resync in at most this many
+# STEPs. A worker refusing even that is unusable and the client is disabled, with the sizes.
+MIN_ROW_BUDGET_PARTS: Final = 8
+# Entry kinds of a round's plan.
+_CONT: Final = 0  # continues the worker's window: new rows, or a backlog from the ring
+_RESYNC: Final = 1  # RF_RESET with the ring's newest rows (or its oldest part, when split)
+
+
+def fair_bound_rounds(n_slots: int, budget: int, window: int) -> int:
+    """Rounds within which every slot asked for in each of them is sent, for ``n_slots`` slots
+    and a row budget ``>= window``: ``ceil(n / (budget // W))`` (docs/architecture.md). A
+    slot is *starved* when it has been left out of more rounds in a row than this minus one."""
+    if budget < window:  # split resyncs: one slot at a time, ceil(W / budget) parts each
+        return max(1, n_slots) * math.ceil(window / max(1, budget))
+    return max(1, math.ceil(n_slots / (budget // window)))
 
 
 class SlotRequest(msgspec.Struct, gc=False):
@@ -126,7 +168,17 @@ class DraftRounds:
         self._worker_gen: list[int | None] = [None] * h.max_slots
         self._worker_end: list[int] = [0] * h.max_slots
         self._synced_epoch: list[int] = [_NO_EPOCH] * h.max_slots
-        self._waiting: list[int] = [0] * h.max_slots  # rounds a resync was deferred
+        # Rounds in a row each slot was asked for and left out (its age for the row budget).
+        self._waiting: list[int] = [0] * h.max_slots
+        self._starved: set[int] = set()
+        # The row budget in force: max_rows_per_step, lowered after size refusals.
+        self.row_budget = h.max_rows_per_step
+        self._size_failures = 0  # size refusals in a row
+        self._ok_since_cut = 0  # good STEPs since the budget was last lowered
+        self._probe_after = PROBE_AFTER_OK_STEPS
+        self._probing = False  # the budget was just raised again: a failure lowers it at once
+        self._publish_budget()
+        client.stats.set("starved_slots_now", 0)
         N = h.num_spec
         self._zero_ids = np.zeros((h.max_slots, N), np.int32)
         self._zero_conf = np.zeros((h.max_slots, N), np.float32)
@@ -147,6 +199,9 @@ class DraftRounds:
         self._worker_gen[slot] = None
         self._synced_epoch[slot] = _NO_EPOCH
         self._waiting[slot] = 0
+        if slot in self._starved:
+            self._starved.discard(slot)
+            self.client.stats.set("starved_slots_now", len(self._starved))
         self.ring.clear(slot)
 
     def run(self, requests: Sequence[SlotRequest], release: Iterable[int] = ()) -> RoundResult:
@@ -175,8 +230,9 @@ class DraftRounds:
         if not entries:  # everything deferred: nothing to send this round
             return self._failed(n, "deferred")
         self._step_id += 1
+        # No rows (every slot only asks for drafts): the headers are the whole frame.
         out = client.step(self._headers, entries, n_rows, self._step_id, epoch=epoch,
-                          rows=self.staging[:n_rows])
+                          rows=self.staging[:n_rows] if n_rows else None)
         resynced = sum(1 for item in plan if item[2])
         if resynced:
             client.stats.inc("slots_resynced", resynced)
@@ -184,9 +240,14 @@ class DraftRounds:
         if not out.ok or out.reply is None or out.drafted is None:
             for r in requests:
                 synced[r.slot] = _NO_EPOCH
+            body = wire.rows_offset_for(len(entries)) + n_rows * self.row_bytes
+            if body > SIZE_SUSPECT_BYTES and out.reason in ("transport_error",
+                                                            "frame_bad_frame_size"):
+                self._size_refused(n_rows, body, out.reason)
             res = self._failed(n, out.reason or "failed")
             res.rtt_us = out.rtt_us
             return res
+        self._step_ok()
         reply = out.reply
         # What the worker now holds, per entry, and whether the slot must resync next time.
         status = reply.status.tolist()
@@ -219,6 +280,59 @@ class DraftRounds:
         client.stats.inc_many({"rounds_ok": 1,
                                "round_us_total": (time.perf_counter() - t0) * 1e6})
         return res
+
+    # -- the row budget after size refusals ---------------------------------------------------
+    def _publish_budget(self) -> None:
+        self.client.stats.set("row_budget", self.row_budget)
+        self.client.stats.set("fair_bound_rounds",
+                              fair_bound_rounds(self.max_slots, self.row_budget, self.window))
+
+    def _step_ok(self) -> None:
+        self._size_failures = 0
+        self._probing = False
+        if self.row_budget < self.max_rows_per_step:
+            self._ok_since_cut += 1
+            if self._ok_since_cut >= self._probe_after:
+                self.row_budget = min(self.max_rows_per_step, 2 * self.row_budget)
+                self._ok_since_cut = 0
+                self._probing = True
+                self.client.stats.inc("row_budget_probes_total")
+                self._publish_budget()
+                log.info("remote DSpark: trying STEPs of up to %d rows again",
+                         self.row_budget)
+
+    def _size_refused(self, n_rows: int, body: int, reason: str) -> None:
+        """A STEP of ``n_rows`` rows (``body`` bytes) was cut off or refused for its size."""
+        self._size_failures += 1
+        stats = self.client.stats
+        stats.inc("step_size_refusals_total")
+        if self._size_failures < SIZE_FAILURES_TO_SHRINK and not self._probing:
+            return
+        if self._probing:
+            self._probe_after *= 2
+        self._probing = False
+        self._size_failures = 0
+        self._ok_since_cut = 0
+        floor = math.ceil(self.window / MIN_ROW_BUDGET_PARTS)
+        what = ("refused BAD_FRAME" if reason == "frame_bad_frame_size"
+                else "cut off while sending")
+        if self.row_budget <= floor or n_rows <= floor:
+            msg = (f"STEPs of {n_rows} rows ({body} bytes) keep being {what}, and a resync"
+                   f" cannot be split finer than {floor} rows per STEP (W {self.window},"
+                   f" {self.row_bytes}-byte rows); raise the worker's --max-frame-bytes to at"
+                   f" least {wire.APP_HEADER_SIZE + body} or check the network path")
+            self.client.disable(msg)
+            return
+        self.row_budget = max(floor, min(self.row_budget, n_rows) // 2)
+        stats.inc("row_budget_cuts_total")
+        self._publish_budget()
+        log.warning("remote DSpark: STEPs of %d rows (%d bytes) were %s %d times in a row;"
+                    " sending at most %d rows (%d bytes) per STEP from now on%s. The worker's"
+                    " --max-frame-bytes is probably below the STEPs max_rows_per_step %d allows",
+                    n_rows, body, what, SIZE_FAILURES_TO_SHRINK, self.row_budget,
+                    wire.rows_offset_for(self.max_slots) + self.row_budget * self.row_bytes,
+                    ", resyncs split" if self.row_budget < self.window else "",
+                    self.max_rows_per_step)
 
     def _releases(self, requests: Sequence[SlotRequest],
                   release: Iterable[int]) -> list[wire.ReqEntry]:
@@ -307,47 +421,62 @@ class DraftRounds:
     def _plan(self, requests: Sequence[SlotRequest],
               epoch: int) -> tuple[list[tuple[int, wire.ReqEntry, bool]], int]:
         """Write every request's rows to the ring and stage the rows of the STEP: returns
-        (request index, entry, is_resync) per request that fits this round, and the rows
+        (request index, entry, is_resync) per request that goes out this round, and the rows
         staged. A continuing slot's new rows are copied once, into staging, and go from there
-        to the ring in one scatter; a resync's rows are gathered from the ring."""
+        to the ring in one scatter; a backlog's or a resync's rows are gathered from the ring."""
         W = self.window
         ring = self.ring
         staging = self.staging
         synced, worker_gen, worker_end = self._synced_epoch, self._worker_gen, self._worker_end
         sampled = self.sampled
-        kinds: list[tuple[int, bool, int, int]] = []  # (index, is_resync, rows to send, n_new)
+        # (index, kind, rows to send, n_new, fast): fast = continuing with the request's own
+        # rows, not yet in the ring.
+        kinds: list[tuple[int, int, int, int, bool]] = []
         total = 0
         for i, r in enumerate(requests):
             self._new_request_check(r)
             s, a = r.slot, r.anchor_pos
             rows = r.rows
             n_new = 0 if rows is None else rows.shape[0]
-            if synced[s] == epoch and worker_gen[s] == r.generation and \
-                    worker_end[s] == a - n_new:
+            valid = synced[s] == epoch and worker_gen[s] == r.generation
+            wend = worker_end[s]
+            if valid and wend == a - n_new:
                 k = n_new if n_new <= W else W  # the worker keeps only the newest W
-                kinds.append((i, False, k, n_new))
+                kinds.append((i, _CONT, k, n_new, True))
             else:
                 if n_new:
                     ring.write(s, a - n_new, rows)
                 k = ring.available(s, a)  # newest min(W, anchor_pos) when all were given
-                kinds.append((i, True, k, n_new))
+                if valid and a - k <= wend < a - n_new:
+                    # Left out of earlier rounds: the worker's window still ends at wend, and
+                    # the ring holds everything after it. Send that backlog, not a resync.
+                    k = a - wend
+                    kinds.append((i, _CONT, k, n_new, False))
+                else:
+                    kinds.append((i, _RESYNC, k, n_new, False))
             total += k
-        if total > self.max_rows_per_step:
-            kinds = self._fit_budget(requests, kinds)
+        # (index, kind, rows, n_new, fast, entry anchor): the anchor is the request's, or the
+        # end of the part sent when a resync or backlog goes out in parts.
+        chosen: list[tuple[int, int, int, int, bool, int]]
+        if total > self.row_budget:
+            chosen = self._fit_budget(requests, kinds, self.row_budget)
+        else:
+            chosen = [(i, kind, k, n_new, fast, requests[i].anchor_pos)
+                      for i, kind, k, n_new, fast in kinds]
+            waiting = self._waiting
+            for i, *_ in kinds:
+                if waiting[requests[i].slot]:
+                    self._sent(requests[i].slot)
         plan: list[tuple[int, wire.ReqEntry, bool]] = []
         off = 0
         c_slots: list[int] = []
         c_first: list[int] = []
         c_k: list[int] = []
         c_off: list[int] = []
-        for i, is_resync, k, n_new in kinds:
+        for i, kind, k, n_new, fast, end in chosen:
             r = requests[i]
             s, a = r.slot, r.anchor_pos
-            if is_resync:
-                if k:
-                    ring.gather(s, a, k, staging[off:off + k])
-                flags = wire.RF_RESET
-            else:
+            if fast:
                 if k:
                     staging[off:off + k] = r.rows[n_new - k:]
                     ring.advance(s, a - k, k)
@@ -356,16 +485,21 @@ class DraftRounds:
                     c_k.append(k)
                     c_off.append(off)
                 flags = 0
-            if r.n_out:
+            else:
+                if k:
+                    ring.gather(s, end, k, staging[off:off + k])
+                flags = wire.RF_RESET if kind == _RESYNC else 0
+            n_out = r.n_out if end == a else 0  # a part drafts nothing: its anchor is behind
+            if n_out:
                 flags |= wire.RF_NEED_DRAFT
             # Positional: (slot, generation, anchor_pos, anchor_token, n_rows, n_out, flags,
             # seed, top_k, temperature, top_p), the field order of ReqEntry.
             if sampled and r.top_k:
-                e = ReqEntry(s, r.generation, a, r.anchor_token, k, r.n_out, flags, r.seed,
+                e = ReqEntry(s, r.generation, end, r.anchor_token, k, n_out, flags, r.seed,
                              r.top_k, r.temperature, r.top_p)
             else:
-                e = ReqEntry(s, r.generation, a, r.anchor_token, k, r.n_out, flags)
-            plan.append((i, e, is_resync))
+                e = ReqEntry(s, r.generation, end, r.anchor_token, k, n_out, flags)
+            plan.append((i, e, kind == _RESYNC))
             off += k
         if c_slots:
             self._scatter(c_slots, c_first, c_k, c_off)
@@ -388,33 +522,61 @@ class DraftRounds:
             src = self.staging[np.repeat(np.asarray(offs, dtype=np.int64), k) + within]
         self.ring.scatter(slot_idx, positions, src)
 
-    def _fit_budget(self, requests: Sequence[SlotRequest], kinds: list[tuple[int, bool, int, int]]
-                    ) -> list[tuple[int, bool, int, int]]:
-        """Over max_rows_per_step: continuing slots first, then resyncs (the longest waiting
-        first); what does not fit waits (its rows still go to the ring, and it resyncs)."""
+    def _fit_budget(self, requests: Sequence[SlotRequest],
+                    kinds: list[tuple[int, int, int, int, bool]], budget: int
+                    ) -> list[tuple[int, int, int, int, bool, int]]:
+        """Over the row budget: entries oldest first (rounds left out in a row), then
+        continuing before resync, then the engine's order, while they fit. The first always
+        goes: whole, or its oldest ``budget`` rows when it needs more (a resync in parts). What
+        is left out keeps its rows in the ring and ages by one."""
         waiting = self._waiting
-        cont = [x for x in kinds if not x[1]]
-        resync = sorted((x for x in kinds if x[1]),
-                        key=lambda x: -waiting[requests[x[0]].slot])
-        budget = self.max_rows_per_step
+        order = sorted(kinds, key=lambda x: (-waiting[requests[x[0]].slot], x[1], x[0]))
+        ring = self.ring
         used = 0
-        keep = []
-        for x in cont + resync:
-            i, is_resync, k, n_new = x
+        keep: list[tuple[int, int, int, int, bool, int]] = []
+        left_out: list[int] = []
+        for i, kind, k, n_new, fast in order:
             r = requests[i]
-            s = r.slot
-            if used + k > budget:
-                if not is_resync and n_new:  # its rows reach the ring now, the worker later
-                    self.ring.write(s, r.anchor_pos - n_new, r.rows)
-                self._synced_epoch[s] = _NO_EPOCH
-                waiting[s] += 1
-                self.client.stats.inc("slots_deferred")
+            s, a = r.slot, r.anchor_pos
+            if used + k <= budget:
+                used += k
+                keep.append((i, kind, k, n_new, fast, a))
+                if waiting[s]:
+                    self._sent(s)
                 continue
-            used += k
-            waiting[s] = 0
-            keep.append(x)
+            if fast and n_new:  # its rows reach the ring now, the worker later
+                ring.write(s, a - n_new, r.rows)
+            if used == 0:  # budget < W: the oldest part now, the rest in later rounds
+                keep.append((i, kind, budget, n_new, False, a - k + budget))
+                used = budget
+                self.client.stats.inc("resync_parts_total")
+            left_out.append(s)
         keep.sort(key=lambda x: x[0])  # entries in the engine's order
+        if left_out:
+            bound = fair_bound_rounds(len(requests), budget, self.window)
+            starved = self._starved
+            newly = 0
+            for s in left_out:
+                waiting[s] += 1
+                if waiting[s] >= bound and s not in starved:
+                    starved.add(s)
+                    newly += 1
+            counts = {"deferred_slots_total": len(left_out)}
+            if newly:
+                counts["starved_slots_total"] = newly
+                self.client.stats.set("starved_slots_now", len(starved))
+                log.warning("remote DSpark: %d slots left out of %d or more rounds in a row by"
+                            " the row budget (%d rows per STEP, W %d, %d slots asked)", newly,
+                            bound, budget, self.window, len(requests))
+            self.client.stats.inc_many(counts)
         return keep
+
+    def _sent(self, slot: int) -> None:
+        """The slot went out whole after being left out: its age starts again."""
+        self._waiting[slot] = 0
+        if slot in self._starved:
+            self._starved.discard(slot)
+            self.client.stats.set("starved_slots_now", len(self._starved))
 
     def _failed(self, n: int, reason: str) -> RoundResult:
         self.failed_rounds += 1

@@ -5,6 +5,11 @@ to a histogram (fixed buckets), ``get`` reads one and ``snapshot`` / ``histogram
 dict copies for logs, ``dspark-client stats`` or the metrics of ``dspark_client.metrics``.
 A lock guards every call: the engine thread and the background connect thread both write, and
 a snapshot must never see a dict mid-update. Each call holds the lock for one dict operation.
+
+``COUNTERS`` and ``GAUGES`` name what the client and ``DraftRounds`` write and what each means
+(docs/operations.md lists them too), for exporters; counters only rise, and one never written
+reads as 0. Per-status families are written as ``rounds_failed_<reason>`` and
+``step_frame_<status>``.
 """
 
 from __future__ import annotations
@@ -13,9 +18,55 @@ import copy
 import threading
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["Stats"]
+__all__ = ["COUNTERS", "GAUGES", "Stats"]
+
+COUNTERS: Final[dict[str, str]] = {
+    "hellos": "HELLOs accepted (each starts a connection epoch; every live slot resyncs)",
+    "connect_failures": "connect or HELLO attempts that failed",
+    "disconnects": "connections dropped by the client (timeouts, errors, refused replies)",
+    "failovers": "moves to the next endpoint of a failover list",
+    "new_sessions": "new session ids (RS_STALE_GENERATION, or a HELLO refused STALE_SEQ)",
+    "hello_stale_seq_total": "HELLOs refused STALE_SEQ: another connection holds the session"
+                             " with a higher seq (taken over or replayed); a new id follows",
+    "remote_disabled": "1 once remote drafting is disabled for the engine run",
+    "steps": "STEPs answered by the worker (any status)",
+    "steps_ok": "STEPs whose reply passed every check",
+    "step_timeouts": "STEPs without a reply within timeout_ms",
+    "step_transport_errors": "STEPs whose connection failed while sending or receiving",
+    "bad_replies": "STEP replies refused by the client's checks",
+    "bytes_sent": "STEP bytes sent, headers included",
+    "bytes_received": "STEP reply bytes received",
+    "rtt_us_total": "sum of STEP round trips of good STEPs, microseconds",
+    "worker_us_total": "sum of the worker's own time of good STEPs, microseconds",
+    "client_us_total": "sum of the client's own time per good STEP, microseconds",
+    "rounds_ok": "rounds that got a checked reply",
+    "rounds_failed": "target-only rounds (rounds_failed_<reason> says why)",
+    "round_us_total": "sum of DraftRounds.run time of good rounds, microseconds",
+    "deferred_slots_total": "slots left out of a round by the row budget (no drafts that"
+                            " round; each waits its turn, oldest first), one per slot and round",
+    "starved_slots_total": "times a slot became starved (see starved_slots_now)",
+    "resync_parts_total": "entries that carried only a part of a resync or backlog (row budget"
+                          " under what the slot needed)",
+    "step_size_refusals_total": "STEPs over 64 KiB cut off while sending or refused BAD_FRAME"
+                                " (a frame limit below the STEP)",
+    "row_budget_cuts_total": "times the row budget was halved after size refusals",
+    "row_budget_probes_total": "times a lowered row budget was doubled again to try",
+    "step_frame_bad_frame": "STEPs answered ST_BAD_FRAME (step_frame_<status> for the others)",
+    "shm_attached": "connections whose rows go through the shared-memory region",
+    "shm_fallbacks": "times shared-memory rows were refused or unavailable: rows on the socket",
+    "shm_rows_copied": "STEPs whose rows were copied into the shared-memory region first",
+}
+GAUGES: Final[dict[str, str]] = {
+    "starved_slots_now": "slots left out of more rounds in a row than fair_bound_rounds - 1,"
+                         " which the oldest-first rule never allows for a fixed set of slots"
+                         " asked each round: non-zero means a row budget below W (resyncs in"
+                         " parts) or slots asked only now and then",
+    "row_budget": "rows per STEP in force (max_rows_per_step, lower after size refusals)",
+    "fair_bound_rounds": "rounds within which every slot asked in each of them goes out, for"
+                         " max_slots slots and the row budget in force",
+}
 
 
 class Stats:

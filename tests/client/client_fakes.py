@@ -27,7 +27,7 @@ import numpy as np
 from protocol import sampled as psampled
 from protocol import wire
 from protocol.auth import verify_hello
-from protocol.errors import WireError
+from protocol.errors import FrameTooLargeError, WireError
 from protocol.framing import FrameDecoder
 from protocol.messages import decode_step, entries_from_view, reply_layout
 from protocol.validate import check_step_shape
@@ -122,8 +122,13 @@ class FakeWorker:
 
     def __init__(self, *, unix: bool = False, hello_reply: wire.HelloReply | None = None,
                  hello_status: int | None = None, check_rows: bool = True,
-                 margin: bool = True, secret: bytes | None = None) -> None:
+                 margin: bool = True, secret: bytes | None = None,
+                 max_body: int | None = None) -> None:
         self.secret = secret
+        # Like the worker's --max-frame-bytes: a larger frame is answered ST_BAD_FRAME from its
+        # header and the connection closed (unread bytes then reset the sender).
+        self.max_body = max_body
+        self.too_large: list[int] = []  # body_len of every frame refused for its size
         self.hello_reply = hello_reply or make_hello_reply()
         self.hello_status = hello_status
         self.check_rows = check_rows
@@ -203,7 +208,7 @@ class FakeWorker:
             self._threads.append(t)
 
     def _conn_loop(self, conn_id: int, sock: socket.socket) -> None:
-        dec = FrameDecoder()
+        dec = FrameDecoder() if self.max_body is None else FrameDecoder(max_body=self.max_body)
         try:
             while True:
                 data = sock.recv(1 << 16)
@@ -211,6 +216,14 @@ class FakeWorker:
                     return
                 try:
                     frames = dec.feed(data)
+                except FrameTooLargeError:
+                    h = dec.error_header
+                    if h is not None:
+                        with self.lock:
+                            self.too_large.append(h.body_len)
+                        sock.sendall(wire.frame(h.op, h.seq, h.session, b"",
+                                                status=wire.ST_BAD_FRAME))
+                    return
                 except WireError as exc:
                     self.errors.append(f"conn {conn_id}: undecodable stream: {exc}")
                     return

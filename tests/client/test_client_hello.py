@@ -23,7 +23,8 @@ def test_hello_from_the_reference_drafter() -> None:
         cfg["target_hidden_size"])
     assert h.row_bytes == h.n_taps * h.hidden * 2
     assert (h.drafter_identity, h.markov_identity) == identities_from_checkpoint(REFERENCE)
-    assert h.window == 64 and h.max_slots == 4 and h.max_rows_per_step == 64
+    # Default budget: every slot's resync in one STEP (W x max_slots, up to 4096).
+    assert h.window == 64 and h.max_slots == 4 and h.max_rows_per_step == 64 * 4
     assert h.sample_mode == wire.SAMPLE_GREEDY and h.client_name == "engine-a"
     assert hello_from_checkpoint(REFERENCE, window=8, max_slots=4,
                                  sampled=True).sample_mode == wire.SAMPLE_TOP32

@@ -197,3 +197,30 @@ def test_several_clients_share_a_registry_by_label() -> None:
         dc.prometheus_collector(a, labels={"dp-rank": "0"})
     with pytest.raises(TypeError, match="int is not a Stats"):
         dc.prometheus_collector(3)
+
+
+def test_every_stats_key_the_client_documents_scrapes_under_one_name() -> None:
+    """Each counter and gauge that ``dspark_client.stats`` names (what DraftRounds and the
+    client write) appears once, as a counter ending in ``_total`` exactly once or as a gauge,
+    with the help text written beside the key."""
+    from dspark_client.stats import COUNTERS, GAUGES
+
+    stats = Stats()
+    registry = CollectorRegistry()
+    registry.register(dc.prometheus_collector(stats))
+    for i, key in enumerate(COUNTERS, start=1):
+        stats.inc(key, i)
+    for key in GAUGES:
+        stats.set(key, 7)
+    text = scrape(registry)
+    s = parsed(text)
+    names = [n for n, _ in s]
+    assert not [n for n in names if n.endswith("_total_total")]
+    assert value(s, "dspark_client_deferred_slots_total") == list(COUNTERS).index(
+        "deferred_slots_total") + 1
+    assert value(s, "dspark_client_starved_slots_total") == list(COUNTERS).index(
+        "starved_slots_total") + 1
+    helps = {f.name: f.documentation for f in text_string_to_metric_families(text)}
+    for key, help_ in GAUGES.items():
+        assert value(s, f"dspark_client_{key}") == 7
+        assert helps[f"dspark_client_{key}"] == help_

@@ -332,7 +332,7 @@ def test_bad_reply_fails_the_round_and_slots_resync(fw: FakeWorker, setup: Any, 
     assert res.ok and res.resynced == 1 and res.draft_ids.tolist() == [expected(eng, 0)]
 
 
-def test_row_budget_defers_resyncs(fw: FakeWorker) -> None:
+def test_row_budget_goes_oldest_first(fw: FakeWorker) -> None:
     c, _rounds, eng = make(fw, max_rows_per_step=2 * W + 1)
     for s in range(4):
         eng.admit(s, 20)
@@ -341,16 +341,58 @@ def test_row_budget_defers_resyncs(fw: FakeWorker) -> None:
     assert res.status.tolist() == [wire.RS_OK, wire.RS_OK, NOT_SENT, NOT_SENT]
     assert res.num_drafted.tolist() == [N, N, 0, 0]
     assert res.draft_ids[2:].tolist() == [[0] * N] * 2
+    assert c.stats.get("deferred_slots_total") == 2
     for s in range(4):
         eng.accept(s, 1)
-    res = eng.run([0, 1, 2, 3])  # continuing slots first, then one more resync fits
-    assert res.ok and res.status.tolist() == [wire.RS_OK, wire.RS_OK, wire.RS_OK, NOT_SENT]
-    assert res.rows_sent == 2 + 2 + W
+    # The two resyncs left out waited a round: they go before the continuing slots, which wait
+    # with a backlog (their windows on the worker stay valid, no resync for them).
+    res = eng.run([0, 1, 2, 3])
+    assert res.ok and res.status.tolist() == [NOT_SENT, NOT_SENT, wire.RS_OK, wire.RS_OK]
+    assert res.rows_sent == 2 * W and res.resynced == 2
     for s in range(4):
         eng.accept(s, 0)
     res = eng.run([0, 1, 2, 3])
-    assert res.ok and res.num_drafted.tolist() == [N] * 4
+    assert res.ok and res.num_drafted.tolist() == [N] * 4 and res.resynced == 0
+    assert [(e.slot, e.n_rows, e.flags & wire.RF_RESET) for e in last_entries(fw)] == [
+        (0, 3, 0), (1, 3, 0), (2, 1, 0), (3, 1, 0)]  # backlog of 2 + the new row
     assert res.draft_ids.tolist() == [expected(eng, s) for s in range(4)]
+    assert c.stats.get("deferred_slots_total") == 4
+    # 8 slots of the session, 2 full windows per STEP: every slot goes within 4 rounds.
+    assert c.stats.get("starved_slots_now") == 0 and c.stats.get("fair_bound_rounds") == 4
+    assert fw.errors == []
+    c.close()
+
+
+def test_round_without_rows(fw: FakeWorker, setup: Any) -> None:
+    """Slots that only ask for drafts again (no new rows): a STEP of entries alone goes out
+    (it used to fail in the transport on an empty rows part)."""
+    _c, _rounds, eng = setup
+    eng.admit(0, 5)
+    assert eng.run([0]).ok
+    res = eng.run([0])
+    assert res.ok and res.rows_sent == 0 and res.num_drafted.tolist() == [N]
+    assert last_entries(fw)[0].n_rows == 0 and fw.errors == []
+
+
+def test_resync_in_parts_below_one_window(fw: FakeWorker) -> None:
+    """A row budget under W (after size refusals) sends a resync in parts, oldest rows first
+    with RF_RESET, then plain entries continuing it; the slot drafts when its window reaches
+    the anchor, and every row the worker holds is the right one."""
+    c, rounds, eng = make(fw)
+    rounds.row_budget = 3
+    eng.admit(0, 20)
+    parts = []
+    for _ in range(4):
+        res = eng.run([0])
+        e = last_entries(fw)[0]
+        parts.append((e.anchor_pos, e.n_rows, e.flags))
+        if res.num_drafted[0]:
+            break
+        eng.accept(0, 0)  # the engine goes on target-only: one new row per round
+    R, ND = wire.RF_RESET, wire.RF_NEED_DRAFT
+    assert parts == [(15, 3, R), (18, 3, 0), (21, 3, 0), (23, 2, ND)], parts
+    assert res.num_drafted[0] == N and res.draft_ids[0].tolist() == expected(eng, 0)
+    assert c.stats.get("resync_parts_total") == 3
     assert fw.errors == []
     c.close()
 

@@ -1,0 +1,533 @@
+"""Soak: N engine processes x M slots against one real worker for a given time, with a fuzz storm
+and a kill -9 / restart of the worker in the middle. Not a CI test (tests/bench/ runs a tiny one).
+
+Each engine is a separate process running the real client (``RemoteDraftClient`` +
+``DraftRounds``) with deterministic synthetic tap rows per (engine, slot, generation, position)
+and anchor tokens per position, so the greedy drafts for a given key do not depend on the run's
+history: the parent recomputes a sample of them with the reference drafter (the worker's
+default embedded drafter, ``Drafter.reference_draft``) and any difference is a wrong draft.
+Slots finish and start new requests (new generations) as they go.
+
+Timeline of ``--duration`` seconds: steady load; from ``--fuzz-at`` (30%) a fuzz storm of
+``--fuzz-frames`` frames (mutated, truncated, oversized, garbage and bad-magic frames over many
+connections); at ``--kill-at`` (70%) the worker is killed with SIGKILL and restarted on the same
+ports. The run goes on until ``--duration`` and at least 30% of it after the restart.
+
+Every ``--interval`` seconds it prints: STEPs, failed rounds, RTT p50 / p99, worker RSS. At the
+end: the clients' STEPs and rows since the restart against the worker's ``/metrics``, rounds
+every slot took to draft again after each reconnect against the proven bound
+(``fair_bound_rounds``), drafts checked, and it exits 1 on any loss: a wrong draft, a usable
+reply slot without its drafts, a slot not drafting within the bound after a reconnect, worker
+RSS growth over 10% within one worker's life, counters that disagree, a fuzz storm short of its
+frames, or an engine that crashed.
+
+    python bench/soak.py --engines 8 --slots 64 --duration 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import random
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from protocol import wire  # noqa: E402
+
+RSS_GROWTH_LIMIT = 0.10
+RECHECK_ROUNDS = 3  # every draft of this many rounds after a reconnect is checked
+
+
+# -- deterministic engine data ------------------------------------------------------------------
+def rows_for(engine: int, slot: int, gen: int, first: int, last: int, width: int) -> np.ndarray:
+    """bf16 tap rows of positions [first, last): uint8 [n, 2 * width], a pure function."""
+    pos = np.arange(first, last, dtype=np.float64)[:, None]
+    x = np.sin(pos * 0.7311 + (engine * 1009 + slot) * 1.913 + gen * 0.377
+               + np.arange(width, dtype=np.float64)[None, :] * 0.0137) * 2.0
+    bf = (x.astype(np.float32).view(np.uint32) >> 16).astype("<u2")
+    return bf.view(np.uint8).reshape(last - first, 2 * width)
+
+
+def token_at(engine: int, slot: int, gen: int, pos: int, vocab: int) -> int:
+    return (pos * 2654435761 + slot * 40503 + gen * 97 + engine * 7) % (vocab - 1)
+
+
+def request_len(engine: int, slot: int, gen: int) -> tuple[int, int]:
+    """(prompt rows, positions until the request finishes)."""
+    h = (engine * 31 + slot * 17 + gen * 13) % 97
+    return 8 + h, 150 + 3 * h
+
+
+def sampled_key(engine: int, slot: int, gen: int, pos: int, every: int) -> bool:
+    return (pos * 7 + slot * 13 + gen * 3 + engine) % every == 0
+
+
+# -- an engine process ----------------------------------------------------------------------------
+def engine_main(e: int, args: dict[str, Any], hello_raw: bytes, out: Any, killed: Any,
+                stop: Any) -> None:
+    from dspark_client.client import RemoteDraftClient
+    from dspark_client.config import RemoteConfig
+    from dspark_client.rounds import DraftRounds, SlotRequest, fair_bound_rounds
+
+    try:
+        hello = wire.Hello.unpack(hello_raw)
+        hello = wire.Hello(**{f: getattr(hello, f) for f in hello.__struct_fields__
+                              if f != "client_name"}, client_name=f"soak-{e}")
+        cfg = RemoteConfig(endpoint=args["endpoint"], timeout_ms=args["timeout_ms"],
+                           connect_timeout_ms=3000, backoff_ms=50, backoff_max_ms=1000)
+        c = RemoteDraftClient(cfg, hello)
+        if not c.wait_ready(120):
+            raise RuntimeError(f"engine {e}: not ready: {c.last_error}")
+        rounds = DraftRounds(c)
+        M, N, W = args["slots"], hello.num_spec, hello.window
+        width = hello.row_bytes // 2
+        vocab = hello.vocab_size
+        bound = fair_bound_rounds(M, rounds.row_budget, W)
+        gen = [1] * M
+        anchor = [0] * M
+        fresh = [0] * M
+        end = [0] * M
+        for s in range(M):
+            prompt, length = request_len(e, s, 1)
+            anchor[s] = fresh[s] = prompt
+            end[s] = prompt + length
+        release: list[int] = []
+        samples: list[tuple[int, int, int, int, list[int]]] = []
+        rtts: list[float] = []
+        tick_steps = tick_failed = 0
+        n_round = 0
+        last_epoch = c.connection_epoch()
+        since_reconnect = 0
+        waiting: dict[int, int] = {}  # slot -> rounds since the reconnect without drafts
+        worst_after_reconnect = 0
+        reconnects = 0
+        lost = 0
+        baseline: dict[str, float] | None = None
+        rows_ok_since = 0
+        next_tick = time.monotonic() + args["interval"]
+        while not stop.is_set():
+            if baseline is None and killed.is_set():
+                snap = c.stats.snapshot()
+                baseline = {"steps_ok": snap.get("steps_ok", 0)}
+                rows_ok_since = 0
+            reqs = []
+            for s in range(M):
+                a, n = anchor[s], fresh[s]
+                reqs.append(SlotRequest(slot=s, generation=gen[s], anchor_pos=a,
+                                        anchor_token=token_at(e, s, gen[s], a, vocab),
+                                        rows=rows_for(e, s, gen[s], a - n, a, width) if n
+                                        else None, n_out=N))
+                fresh[s] = 0
+            res = rounds.run(reqs, release=release)
+            release = []
+            # The engine's own step (the target's forward pass) takes time; a target-only
+            # round too.
+            time.sleep(args["step_s"])
+            n_round += 1
+            tick_steps += 1 if res.ok else 0
+            tick_failed += 0 if res.ok else 1
+            if res.ok:
+                rtts.append(res.rtt_us)
+                if baseline is not None:
+                    rows_ok_since += res.rows_sent
+            epoch = c.connection_epoch()
+            if epoch is not None and epoch != last_epoch:
+                reconnects += 1
+                since_reconnect = 0
+                waiting = {s: 0 for s in range(M)}
+                last_epoch = epoch
+            if res.ok:
+                since_reconnect += 1
+            status = res.status.tolist()
+            num = res.num_drafted.tolist()
+            for s in range(M):
+                k = num[s]
+                st = status[s]
+                if res.ok and st in (wire.RS_OK, wire.RS_PARTIAL_WINDOW) and k != N:
+                    lost += 1
+                if s in waiting:
+                    if k:
+                        worst_after_reconnect = max(worst_after_reconnect, waiting.pop(s) + 1)
+                    elif res.ok and st != wire.RS_SHED:
+                        waiting[s] += 1
+                        if waiting[s] > bound:
+                            lost += 1  # counted once per round over the bound
+                if k and (since_reconnect <= RECHECK_ROUNDS or
+                          sampled_key(e, s, gen[s], anchor[s], args["sample_every"])):
+                    samples.append((s, gen[s], anchor[s], token_at(e, s, gen[s], anchor[s], vocab),
+                                    res.draft_ids[s, :k].tolist()))
+                acc = (anchor[s] * 7 + s) % (k + 1) if k else 0
+                anchor[s] += acc + 1
+                fresh[s] = acc + 1
+                if anchor[s] >= end[s]:  # the request finished: a new one in the slot
+                    release.append(s)
+                    gen[s] += 1
+                    prompt, length = request_len(e, s, gen[s])
+                    anchor[s] = fresh[s] = prompt
+                    end[s] = prompt + length
+            now = time.monotonic()
+            if now >= next_tick:
+                out.put(("tick", e, tick_steps, tick_failed, rtts))
+                rtts = []
+                tick_steps = tick_failed = 0
+                next_tick = now + args["interval"]
+        snap = c.stats.snapshot()
+        out.put(("done", e, {
+            "stats": {k: v for k, v in snap.items() if isinstance(v, (int, float))},
+            "baseline": baseline, "rows_ok_since_kill": rows_ok_since, "samples": samples,
+            "rounds": n_round, "reconnects": reconnects, "lost": lost, "bound": bound,
+            "worst_after_reconnect": worst_after_reconnect,
+            "still_waiting": len(waiting), "disabled": c.disabled_reason}))
+        c.close()
+    except BaseException as exc:  # reported to the parent, which fails the run
+        import traceback
+
+        out.put(("error", e, f"{exc!r}\n{traceback.format_exc()}"))
+
+
+# -- the fuzz storm -------------------------------------------------------------------------------
+def _fuzz_frame(rng: random.Random, hello_body: bytes) -> bytes:
+    kind = rng.randrange(8)
+    op = rng.choice([wire.OP_HELLO, wire.OP_STEP, wire.OP_PING, wire.OP_STATS, wire.OP_RESET,
+                     0, 9, 200])
+    session = rng.choice([0, 1, rng.getrandbits(32)])
+    seq = rng.getrandbits(64)
+    if kind == 0:  # a HELLO with bytes flipped
+        body = bytearray(hello_body)
+        for _ in range(rng.randrange(1, 6)):
+            body[rng.randrange(len(body))] ^= 1 << rng.randrange(8)
+        return wire.frame(wire.OP_HELLO, seq, session, bytes(body))
+    if kind == 1:  # a STEP of garbage
+        return wire.frame(wire.OP_STEP, seq, session, rng.randbytes(rng.randrange(0, 600)))
+    if kind == 2:  # a truncated STEP header
+        return wire.frame(wire.OP_STEP, seq, session, rng.randbytes(rng.randrange(0, 32)))
+    if kind == 3:  # PING / STATS
+        return wire.frame(rng.choice([wire.OP_PING, wire.OP_STATS]), seq, 0, b"")
+    if kind == 4:  # unknown op, random body
+        return wire.frame(op, seq, session, rng.randbytes(rng.randrange(0, 200)))
+    if kind == 5:  # a RESET with a huge count
+        return wire.frame(wire.OP_RESET, seq, session, struct.pack("<I", rng.getrandbits(32)))
+    if kind == 6:  # a header whose body is far over any limit (the connection then closes)
+        return wire.AppHeader(op=wire.OP_STEP, seq=seq, session=session,
+                              body_len=0xFFFFFFF0).pack()
+    # a header with a bad magic (the connection closes)
+    return rng.randbytes(wire.APP_HEADER_SIZE)
+
+
+def fuzz_storm(host: str, port: int, hello_body: bytes, total: int, threads: int,
+               counter: list[int], stop: threading.Event) -> None:
+    def run(seed: int, quota: int) -> None:
+        rng = random.Random(seed)
+        sent = 0
+        while sent < quota and not stop.is_set():
+            try:
+                with socket.create_connection((host, port), timeout=2) as s:
+                    s.settimeout(0.5)
+                    for _ in range(rng.randrange(1, 60)):
+                        f = _fuzz_frame(rng, hello_body)
+                        if rng.random() < 0.05:  # cut mid-frame
+                            f = f[:rng.randrange(1, len(f))]
+                            s.sendall(f)
+                            sent += 1
+                            break
+                        s.sendall(f)
+                        sent += 1
+                    try:
+                        while s.recv(1 << 16):
+                            pass
+                    except (TimeoutError, OSError):
+                        pass
+            except OSError:
+                time.sleep(0.01)
+        counter[seed] = sent
+
+    per = -(-total // threads)
+    ts = [threading.Thread(target=run, args=(i, per), daemon=True) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+# -- the parent -----------------------------------------------------------------------------------
+def rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engines", type=int, default=8)
+    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--duration", type=float, default=300.0, help="seconds")
+    p.add_argument("--interval", type=float, default=15.0, help="seconds between report lines")
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--fuzz-frames", type=int, default=100_000)
+    p.add_argument("--fuzz-threads", type=int, default=4)
+    p.add_argument("--fuzz-at", type=float, default=0.3, help="fraction of --duration")
+    p.add_argument("--kill-at", type=float, default=0.7, help="fraction of --duration")
+    p.add_argument("--sample-every", type=int, default=50,
+                   help="check 1 in this many drafts (and all of the rounds after a reconnect)")
+    p.add_argument("--max-check", type=int, default=10_000, help="drafts checked at most")
+    p.add_argument("--timeout-ms", type=int, default=10_000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="an extra dspark-worker argument (repeatable): --worker-arg=--no-warmup")
+    p.add_argument("--step-ms", type=float, default=2.0,
+                   help="each engine's own time per round (its target step), slept")
+    a = p.parse_args(argv)
+
+    import torch
+
+    from dspark_worker.drafter import load_drafter
+    from tests.support.worker_proc import start_worker
+
+    torch.set_num_threads(1)
+    drafter = load_drafter(None)
+    port, mport = free_port(), free_port()
+    worker_args = ("--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
+                   "--window", str(a.window), "--max-slots", str(a.slots),
+                   "--max-total-slots", str(a.engines * a.slots * 2),
+                   "--max-sessions", str(max(64, 2 * a.engines)), "--device", a.device,
+                   *a.worker_arg)
+    t_start = time.monotonic()
+    worker = start_worker(*worker_args, timeout=180)
+    lives: list[list[int]] = [[]]  # RSS samples under load, per worker life
+    hello = wire.Hello(sample_mode=wire.SAMPLE_GREEDY, window=a.window,
+                       num_spec=drafter.num_spec, max_slots=a.slots,
+                       max_rows_per_step=min(4096, a.window * a.slots),
+                       row_bytes=drafter.row_bytes, vocab_size=drafter.vocab_size,
+                       n_taps=drafter.n_taps, hidden=drafter.target_hidden,
+                       drafter_identity=drafter.drafter_identity,
+                       markov_identity=drafter.markov_identity, client_name="soak")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    killed, stop = ctx.Event(), ctx.Event()
+    eargs = dict(endpoint=f"tcp://127.0.0.1:{port}", slots=a.slots, interval=a.interval,
+                 sample_every=a.sample_every, timeout_ms=a.timeout_ms,
+                 step_s=a.step_ms / 1000.0)
+    procs = [ctx.Process(target=engine_main, args=(e, eargs, hello.pack(), out, killed, stop),
+                         daemon=True) for e in range(a.engines)]
+    for pr in procs:
+        pr.start()
+    print(f"soak: {a.engines} engines x {a.slots} slots, W {a.window}, {a.duration:g} s,"
+          f" fuzz {a.fuzz_frames} frames at {a.fuzz_at:.0%}, kill -9 at {a.kill_at:.0%};"
+          f" worker pid {worker.pid}", flush=True)
+    print(f"{'t_s':>6} {'steps':>7} {'failed':>6} {'rtt_p50_ms':>10} {'rtt_p99_ms':>10}"
+          f" {'worker_rss_mb':>13}  events", flush=True)
+    t0 = time.monotonic()
+    fuzz_stop = threading.Event()
+    fuzz_count = [0] * a.fuzz_threads
+    fuzz_thread: threading.Thread | None = None
+    fuzz_done_at: float | None = None
+    killed_at = restarted_at = None
+    first_log = ""
+    box: list[Any] = []  # the restarted worker, from its thread
+    done: dict[int, dict[str, Any]] = {}
+    errors: list[str] = []
+    tick_steps = tick_failed = 0
+    tick_rtts: list[float] = []
+    next_print = t0 + a.interval
+    events: list[str] = []
+    failures: list[str] = []
+    while True:
+        now = time.monotonic()
+        el = now - t0
+        if fuzz_thread is None and el >= a.fuzz_at * a.duration:
+            fuzz_thread = threading.Thread(
+                target=fuzz_storm, args=("127.0.0.1", port, hello.pack(), a.fuzz_frames,
+                                         a.fuzz_threads, fuzz_count, fuzz_stop), daemon=True)
+            fuzz_thread.start()
+            events.append("fuzz storm")
+        if fuzz_thread is not None and fuzz_done_at is None and not fuzz_thread.is_alive():
+            fuzz_done_at = el
+            events.append(f"fuzz done ({sum(fuzz_count)} frames)")
+        if killed_at is None and el >= a.kill_at * a.duration:
+            fuzz_stop.set()  # the storm must not outlive the worker it aims at
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.proc.wait(30)
+            killed.set()
+            first_log = worker.log_text()
+            worker.kill()  # reaped already: removes its folder
+            killed_at = el
+            events.append("kill -9")
+            restart = threading.Thread(target=lambda: box.append(
+                start_worker(*worker_args, timeout=300)), daemon=True)
+            restart.start()
+        if killed_at is not None and restarted_at is None and box:
+            worker = box.pop()
+            restarted_at = el
+            lives.append([])
+            events.append(f"restarted in {restarted_at - killed_at:.1f} s")
+        try:
+            msg = out.get(timeout=0.2)
+        except queue.Empty:
+            msg = None
+        if msg is not None:
+            if msg[0] == "tick":
+                tick_steps += msg[2]
+                tick_failed += msg[3]
+                tick_rtts.extend(msg[4])
+            elif msg[0] == "error":
+                errors.append(f"engine {msg[1]}: {msg[2]}")
+        if time.monotonic() >= next_print:
+            rss = rss_bytes(worker.pid) if killed_at is None or restarted_at else 0
+            if rss and tick_steps:  # under load: warm-up and start-up samples say nothing
+                lives[-1].append(rss)
+            r = np.asarray(tick_rtts) / 1000.0
+            p50 = float(np.percentile(r, 50)) if r.size else float("nan")
+            p99 = float(np.percentile(r, 99)) if r.size else float("nan")
+            line = (f"{time.monotonic() - t0:6.0f} {tick_steps:7d} {tick_failed:6d} {p50:10.2f}"
+                    f" {p99:10.2f} {rss / 2**20:13.1f}  {', '.join(events)}")
+            print(line.rstrip(), flush=True)
+            events = []
+            tick_steps = tick_failed = 0
+            tick_rtts = []
+            next_print += a.interval
+        # The run lasts --duration, and at least 30% of it after the worker is back.
+        if errors or (el >= a.duration and restarted_at is not None
+                      and el >= restarted_at + 0.3 * a.duration):
+            break
+    stop.set()
+    deadline = time.monotonic() + 120
+    while len(done) + len(errors) < a.engines and time.monotonic() < deadline:
+        try:
+            msg = out.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if msg[0] == "done":
+            done[msg[1]] = msg[2]
+        elif msg[0] == "error":
+            errors.append(f"engine {msg[1]}: {msg[2]}")
+    for pr in procs:
+        pr.join(10)
+        if pr.is_alive():
+            pr.kill()
+    fuzz_stop.set()
+    if fuzz_thread is not None:
+        fuzz_thread.join(30)
+    metrics = scrape(worker.metrics_url or "") if worker.metrics_url else {}
+    worker_log = worker.log_text()
+    worker.stop()
+
+    # -- verdict ------------------------------------------------------------------------------
+    failures += errors
+    if len(done) < a.engines:
+        failures.append(f"only {len(done)} of {a.engines} engines reported")
+    fuzz_sent = sum(fuzz_count)
+    if fuzz_sent < a.fuzz_frames:
+        failures.append(f"fuzz storm sent {fuzz_sent} frames, fewer than {a.fuzz_frames}")
+    for i, life in enumerate(lives):
+        # From the end of the first interval under load (buffers and batches at their sizes).
+        stable = life[1:]
+        if len(stable) < 2:
+            print(f"worker life {i + 1}: too few RSS samples under load for a trend")
+        else:
+            growth = max(stable) / stable[0] - 1.0
+            print(f"worker life {i + 1}: RSS {stable[0] / 2**20:.1f} -> max"
+                  f" {max(stable) / 2**20:.1f} MiB ({growth:+.1%})")
+            if growth > RSS_GROWTH_LIMIT:
+                failures.append(f"worker life {i + 1}: RSS grew {growth:.1%}")
+    steps_since = sum(d["stats"].get("steps_ok", 0) - (d["baseline"] or {}).get("steps_ok", 0)
+                      for d in done.values())
+    rows_since = sum(d["rows_ok_since_kill"] for d in done.values())
+    w_steps = metrics.get('dspark_worker_frames_total{op="STEP",status="OK"}', -1.0)
+    w_rows = metrics.get("dspark_worker_rows_received_total", -1.0)
+    print(f"after the restart: clients {steps_since} STEPs OK / {rows_since} rows, worker"
+          f" /metrics {w_steps:.0f} / {w_rows:.0f}")
+    if killed_at is not None and (w_steps != steps_since or w_rows != rows_since):
+        failures.append(f"counters differ: clients {steps_since} STEPs {rows_since} rows,"
+                        f" worker {w_steps} STEPs {w_rows} rows")
+    lost = sum(d["lost"] for d in done.values())
+    worst = max((d["worst_after_reconnect"] for d in done.values()), default=0)
+    bound = max((d["bound"] for d in done.values()), default=0)
+    still = sum(d["still_waiting"] for d in done.values())
+    disabled = [e for e, d in done.items() if d["disabled"]]
+    print(f"after reconnects: every slot drafted again within {worst} rounds (bound {bound});"
+          f" {still} slots still waiting at the end; lost {lost}; disabled engines {disabled}")
+    if lost:
+        failures.append(f"{lost} lost drafts or rounds over the bound")
+    if worst > bound:
+        failures.append(f"a slot needed {worst} rounds to draft after a reconnect (bound {bound})")
+    if disabled:
+        failures.append(f"engines disabled: {disabled}")
+    # Wrong drafts: the reference drafter on the same newest rows.
+    samples = [(e, *s) for e, d in done.items() for s in d["samples"]]
+    rng = random.Random(0)
+    if len(samples) > a.max_check:
+        samples = rng.sample(samples, a.max_check)
+    width = drafter.row_bytes // 2
+    wrong = 0
+    for i in range(0, len(samples), 64):
+        batch = samples[i:i + 64]
+        rows = [rows_for(e, s, g, max(0, pos - a.window), pos, width)
+                for e, s, g, pos, _tok, _d in batch]
+        ref = drafter.reference_draft(rows, [b[3] for b in batch], [b[4] for b in batch])
+        for j, (_e, _s, _g, _pos, _tok, got) in enumerate(batch):
+            if ref.draft_ids[j, :len(got)].tolist() != got:
+                wrong += 1
+    total_rounds = sum(d["rounds"] for d in done.values())
+    reconnects = sum(d["reconnects"] for d in done.values())
+    print(f"drafts checked against the reference drafter: {len(samples)}, wrong {wrong};"
+          f" rounds {total_rounds}, reconnects {reconnects}, fuzz frames {fuzz_sent}")
+    if wrong:
+        failures.append(f"{wrong} wrong drafts")
+    tracebacks = worker_log.count("Traceback") + first_log.count("Traceback")
+    if tracebacks:
+        failures.append(f"{tracebacks} tracebacks in the worker's logs")
+    summary = {"engines": a.engines, "slots": a.slots, "duration_s": a.duration,
+               "wall_s": round(time.monotonic() - t_start, 1), "rounds": total_rounds,
+               "fuzz_frames": fuzz_sent, "killed_at_s": killed_at,
+               "restart_s": None if killed_at is None or restarted_at is None
+               else round(restarted_at - killed_at, 2),
+               "checked_drafts": len(samples), "wrong_drafts": wrong, "lost": lost,
+               "worst_rounds_after_reconnect": worst, "bound": bound, "failures": failures}
+    print("summary " + json.dumps(summary))
+    if failures:
+        print("SOAK FAILED:\n  " + "\n  ".join(f.splitlines()[0] for f in failures))
+        return 1
+    print("SOAK OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
