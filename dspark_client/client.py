@@ -341,6 +341,14 @@ class RemoteDraftClient:
         if not self._io_lock.acquire(timeout=timeout):
             return
         try:
+            self._goodbye_on(conn, session, timeout)
+        finally:
+            self._io_lock.release()
+
+    def _goodbye_on(self, conn: RpcClient, session: int, timeout: float) -> None:
+        """GOODBYE for ``session`` on ``conn``; the caller holds ``_io_lock`` (no request in
+        flight on it). Failures are logged at debug level and otherwise ignored."""
+        try:
             seq = self._next_seq()
             n = conn.request(wire.goodbye_frame(seq, session), self._aux, timeout)
             h, _ = wire.split_frame(memoryview(self._aux)[:n])
@@ -351,8 +359,6 @@ class RemoteDraftClient:
                           wire.FRAME_STATUS_NAMES.get(h.status, h.status))
         except (TransportError, wire.WireError, OSError) as e:
             log.debug("remote DSpark: GOODBYE failed: %s", e)
-        finally:
-            self._io_lock.release()
 
     def __enter__(self) -> RemoteDraftClient:
         return self
@@ -772,6 +778,13 @@ class RemoteDraftClient:
             self._placement.hold(target, time.monotonic())  # try again after a quiet period
             return False
         try:
+            with self._lock:
+                left = self._shared.conn if self._ready else None
+                left_session = self.session
+            if left is not None:
+                # Free the lanes we leave behind now, not after the old worker's idle time.
+                self._goodbye_on(left, left_session,
+                                 min(GOODBYE_TIMEOUT_S, self.cfg.timeout_ms / 1000.0))
             with self._lock:
                 if self._shared.stop or self.disabled:
                     conn.close()

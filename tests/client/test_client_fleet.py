@@ -26,7 +26,7 @@ from dspark_client.client import RemoteDraftClient
 from dspark_client.config import RemoteConfig
 from dspark_client.placement import rank
 from dspark_client.rounds import DraftRounds
-from tests.support.worker_proc import WorkerProcess, start_worker
+from tests.support.worker_proc import WorkerProcess, start_worker, worker_stats
 
 W, SLOTS, ENGINE_SLOTS = 16, 4, 2
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
@@ -206,6 +206,13 @@ def test_fleet_add_remove_kill_drain(drafter: Any) -> None:
             # The move connects first, then swaps: at most the round whose epoch changed.
             assert lost[e.name] <= (1 if e.name in moved else 0), (e.name, lost[e.name])
             assert e.client.stats.get("moves", 0) == (1 if e.name in moved else 0)
+            # A move says GOODBYE where it leaves: no session is left holding lanes there.
+            assert e.client.stats.get("goodbyes", 0) == (1 if e.name in moved else 0)
+        for ep in (a, b):
+            st = worker_stats(workers[ep])
+            assert len(st["sessions"]) == sum(after[n] == ep for n in after), (ep, st)
+            assert st["totals"]["sessions_dropped"].get("goodbye", 0) == sum(
+                where[n] == ep for n in moved), (ep, st)
         where = after
 
         # -- remove b from the answer (still up): its engines move; then put it back ----------

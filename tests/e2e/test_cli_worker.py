@@ -15,13 +15,10 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from dspark_client.transport import make_client
-from protocol import wire
-from tests.support.worker_proc import WorkerProcess, start_worker
+from tests.support.worker_proc import WorkerProcess, start_worker, worker_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOTS = 256  # the worker's max_slots and max_total_slots: bench --batch SLOTS takes every lane
@@ -45,20 +42,6 @@ def cli(worker: WorkerProcess, *args: str,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def stats(worker: WorkerProcess) -> dict[str, Any]:
-    """STATS over a socket of our own (no session)."""
-    assert worker.endpoint is not None
-    conn = make_client(worker.endpoint)
-    with conn:
-        conn.connect(10.0)
-        buf = bytearray(1 << 16)
-        n = conn.request(wire.frame(wire.OP_STATS, 1, 0), buf, 10.0)
-    h, body = wire.split_frame(memoryview(buf)[:n])
-    assert h.status == wire.ST_OK
-    result: dict[str, Any] = json.loads(bytes(body))
-    return result
-
-
 def refusals(worker: WorkerProcess) -> float:
     """Every hello_refusals_total sample on /metrics, summed (a real scrape)."""
     with urllib.request.urlopen(f"{worker.metrics_url}/metrics", timeout=10) as r:
@@ -74,7 +57,7 @@ def test_commands_refuse_nothing_and_release_their_sessions(worker: WorkerProces
         out = cli(worker, *args)
         assert out.returncode == 0, (args, out.stderr)
     assert refusals(worker) == before
-    st = stats(worker)
+    st = worker_stats(worker)
     assert st["sessions"] == [] and st["totals"]["sessions_dropped"].get("goodbye", 0) >= 3
     assert not any(k.startswith("HELLO:") for k in st["totals"]["refusals"])
 
@@ -85,7 +68,7 @@ def test_bench_at_every_slot_twice_in_a_row(worker: WorkerProcess) -> None:
                   "--json")
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["failed_rounds"] == 0
-    assert stats(worker)["sessions"] == []
+    assert worker_stats(worker)["sessions"] == []
 
 
 def test_ctrl_c_releases_the_session(worker: WorkerProcess) -> None:
@@ -97,7 +80,7 @@ def test_ctrl_c_releases_the_session(worker: WorkerProcess) -> None:
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            held = [s for s in stats(worker)["sessions"] if s["steps"] > 2]  # bench's own
+            held = [s for s in worker_stats(worker)["sessions"] if s["steps"] > 2]  # bench's own
             if held:
                 break
             assert proc.poll() is None, proc.communicate()
@@ -111,9 +94,9 @@ def test_ctrl_c_releases_the_session(worker: WorkerProcess) -> None:
             proc.wait()
     assert proc.returncode == 130, err
     assert "releasing the session" in err
-    assert stats(worker)["sessions"] == []
+    assert worker_stats(worker)["sessions"] == []
 
 
 def test_threads_default(worker: WorkerProcess) -> None:
-    assert stats(worker)["threads"] == 1
+    assert worker_stats(worker)["threads"] == 1
     assert "torch intra-op threads: 1" in worker.log_text()

@@ -161,3 +161,20 @@ def _tail(path: Path, lines: int = 40) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text)
+
+
+def worker_stats(worker: WorkerProcess) -> dict[str, Any]:
+    """The worker's STATS object, asked over a connection of our own (no session)."""
+    from dspark_client.transport import make_client
+    from protocol import wire
+
+    assert worker.endpoint is not None
+    conn = make_client(worker.endpoint)
+    with conn:
+        conn.connect(10.0)
+        buf = bytearray(1 << 16)
+        n = conn.request(wire.frame(wire.OP_STATS, 1, 0), buf, 10.0)
+    h, body = wire.split_frame(memoryview(buf)[:n])
+    assert h.status == wire.ST_OK
+    result: dict[str, Any] = json.loads(bytes(body))
+    return result

@@ -140,7 +140,7 @@ def test_connection_limit(drafter: Any) -> None:
 
 # -- seeded mutation fuzzing ------------------------------------------------------------------
 FUZZ_FRAMES = 4000
-FUZZ_SECONDS = 8.0  # a bound for slow machines; the count usually ends it first
+FUZZ_SECONDS = 15.0  # a bound for slow machines; the count usually ends it first
 
 
 def _templates(d: Any, session: int) -> list[tuple[int, bytes, int]]:
@@ -232,11 +232,12 @@ def test_mutated_frames(drafter: Any) -> None:
         c = Client(w.address, session=session, timeout=5)
         assert c.hello(make_hello(d, client_name="fuzz")).status == ST_OK
         seq = c.seq
-        counts = {"replies": 0, "closed": 0, "ok": 0}
+        counts = {"sent": 0, "replies": 0, "closed": 0, "ok": 0}
         t_end = time.monotonic() + FUZZ_SECONDS
         for _ in range(FUZZ_FRAMES):
             if time.monotonic() > t_end:
                 break
+            counts["sent"] += 1
             op, body, hot = templates[int(rng.integers(len(templates)))]
             seq += 1
             data = _mutate(rng, op, body, hot, seq, session, d.vocab_size)
@@ -265,7 +266,11 @@ def test_mutated_frames(drafter: Any) -> None:
                 session = _rehello(c, d)
                 seq = c.seq
         c.close()
-        assert counts["replies"] > 0.9 * FUZZ_FRAMES and counts["steps_ok"] > 80, counts
+        # The time bound may end the run early on a loaded machine: judge the frames sent.
+        sent = counts["sent"]
+        assert sent >= min(FUZZ_FRAMES, 500), counts
+        assert counts["replies"] > 0.9 * sent, counts
+        assert counts.get("steps_ok", 0) > 80 * sent / FUZZ_FRAMES, counts
         with w.connect() as p:
             assert p.ping(session=0).status == ST_OK
         assert probe(ctl, d) == before  # the control session saw nothing of it
