@@ -265,6 +265,8 @@ class WorkerApp:
         # Keep an idle receive buffer per size class for every session held: each engine may
         # have a large STEP in flight at once.
         self.buffers = BufferPool(factory, idle_per_class=lambda: len(table))
+        self.metrics.receive_buffers.set_function(lambda: self.buffers.held_bytes
+                                                  if self.buffers else 0)
         self.server = WorkerServer(self.dispatcher, self.metrics, self.buffers,
                                    max_frame_bytes=frame_limit(c, d.row_bytes),
                                    max_connections=c.max_connections,

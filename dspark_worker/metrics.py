@@ -31,6 +31,8 @@ dspark_worker_window_memory_used_bytes      gauge      ring memory of the lanes 
 dspark_worker_ready                         gauge      1 once the drafter is loaded and warm
 dspark_worker_start_time_seconds            gauge      Unix time the worker started (restarts)
 dspark_worker_resident_memory_bytes         gauge      the process's resident set size
+dspark_worker_receive_buffers_bytes         gauge      pooled receive buffers held now (in use
+                                                       plus idle; pinned on CUDA)
 dspark_worker_device_memory_allocated_bytes gauge      CUDA only: torch tensors on the device
 dspark_worker_device_memory_reserved_bytes  gauge      CUDA only: torch's caching allocator
 dspark_worker_info                          gauge      1; labels version, worker_name, device,
@@ -146,6 +148,10 @@ class Metrics:
         self.start_time.set(time.time())
         self.resident_memory = Gauge(f"{p}_resident_memory_bytes",
                                      "Resident set size of the worker process.", registry=r)
+        self.receive_buffers = Gauge(f"{p}_receive_buffers_bytes",
+                                     "Receive buffers the worker holds now, in use and idle"
+                                     " (power-of-two size classes; pinned host memory on CUDA).",
+                                     registry=r)
         self.info = Gauge(f"{p}_info", "Constant 1; what this worker runs.",
                           ["version", "worker_name", "device", "dtype", "drafter_identity",
                            "markov_identity"], registry=r)

@@ -308,7 +308,8 @@ def test_stats_receive_buffers_are_what_is_held_now(worker: ThreadWorker, drafte
     d = drafter
     engines = [worker.connect() for _ in range(6)]
     n = 120  # 90 KiB of rows: a pooled body
-    held = []
+    held: list[int] = []
+    scraped: list[float] = []
     try:
         for c in engines:
             assert c.hello(make_hello(d, max_slots=2)).status == ST_OK
@@ -328,10 +329,13 @@ def test_stats_receive_buffers_are_what_is_held_now(worker: ThreadWorker, drafte
                 assert c.recv().status == ST_OK
             stats = msgspec.json.decode(engines[0].stats().body)
             held.append(stats["memory"]["receive_buffers_bytes"])
+            _, text = worker.scrape()  # the gauge reads the same pool when scraped
+            scraped.append(_metric(text, "dspark_worker_receive_buffers_bytes"))
     finally:
         for c in engines:
             c.close()
     assert held == [6 * (128 << 10)] * 3, held  # flat, and what six bodies hold
+    assert scraped == held
 
 
 # -- 10: refusal logs per host and reason, with what was held back -------------------------
