@@ -381,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         if fuzz_thread is not None and fuzz_done_at is None and not fuzz_thread.is_alive():
             fuzz_done_at = el
             events.append(f"fuzz done ({sum(fuzz_count)} frames)")
-        if killed_at is None and el >= a.kill_at * a.duration:
+        # The kill comes after the storm has sent all its frames (a slow machine may need longer
+        # than --kill-at allows): the storm is judged whole, then the restart.
+        if (killed_at is None and el >= a.kill_at * a.duration and fuzz_done_at is not None):
             fuzz_stop.set()  # the storm must not outlive the worker it aims at
             os.kill(worker.pid, signal.SIGKILL)
             worker.proc.wait(30)
@@ -471,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                       for d in done.values())
     rows_since = sum(d["rows_ok_since_kill"] for d in done.values())
     w_steps = metrics.get('dspark_worker_frames_total{op="STEP",status="OK"}', -1.0)
-    w_rows = metrics.get("dspark_worker_rows_received_total", -1.0)
+    w_rows = metrics.get("dspark_worker_received_rows_total", -1.0)
     print(f"after the restart: clients {steps_since} STEPs OK / {rows_since} rows, worker"
           f" /metrics {w_steps:.0f} / {w_rows:.0f}")
     if killed_at is not None and (w_steps != steps_since or w_rows != rows_since):

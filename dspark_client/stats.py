@@ -25,6 +25,15 @@ __all__ = ["COUNTERS", "GAUGES", "Stats"]
 COUNTERS: Final[dict[str, str]] = {
     "hellos": "HELLOs accepted (each starts a connection epoch; every live slot resyncs)",
     "connect_failures": "connect or HELLO attempts that failed",
+    "reconnects": "HELLOs accepted after the first: reconnects, failovers, moves and new"
+                  " sessions",
+    "goodbyes": "GOODBYEs the worker accepted (close(), and a move leaving a worker)",
+    "slots_resynced": "slot entries sent as a resync (RF_RESET with the newest window rows)",
+    "moves": "moves to a better-ranked worker (placement), each after its HELLO was accepted",
+    "move_failures": "moves that did not happen (the target refused or failed the HELLO)",
+    "drained": "ST_DRAINING answers: the worker is shutting down, the client moves on at once",
+    "resolves": "DNS resolutions of a dns+tcp:// endpoint",
+    "resolve_failures": "DNS resolutions that failed or returned nothing (the last set is kept)",
     "disconnects": "connections dropped by the client (timeouts, errors, refused replies)",
     "failovers": "moves to the next endpoint of a failover list",
     "new_sessions": "new session ids (RS_STALE_GENERATION, or a HELLO refused STALE_SEQ)",
@@ -63,6 +72,9 @@ GAUGES: Final[dict[str, str]] = {
                          " which the oldest-first rule never allows for a fixed set of slots"
                          " asked each round: non-zero means a row budget below W (resyncs in"
                          " parts) or slots asked only now and then",
+    "epoch": "connection epoch: HELLOs accepted by this client so far",
+    "connected": "1 while a connection to a worker is ready for STEPs",
+    "workers": "workers in the live set (the resolved or listed endpoints)",
     "row_budget": "rows per STEP in force (max_rows_per_step, lower after size refusals)",
     "fair_bound_rounds": "rounds within which every slot asked in each of them goes out, for"
                          " max_slots slots and the row budget in force",
