@@ -26,6 +26,7 @@ from dspark_client.client import RemoteDraftClient
 from dspark_client.config import RemoteConfig
 from dspark_client.placement import rank
 from dspark_client.rounds import DraftRounds
+from tests.support.local_drafts import reference_drafter_one_thread
 from tests.support.worker_proc import WorkerProcess, start_worker, worker_stats
 
 W, SLOTS, ENGINE_SLOTS = 16, 4, 2
@@ -69,14 +70,7 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def drafter() -> Iterator[Any]:
-    import torch
-
-    from dspark_worker.drafter import load_drafter
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_drafter(None)
-    torch.set_num_threads(before)
+    yield from reference_drafter_one_thread()
 
 
 def _free_port() -> int:

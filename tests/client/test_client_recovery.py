@@ -29,6 +29,7 @@ from dspark_client.config import RemoteConfig
 from dspark_client.hello import DEFAULT_MAX_ROWS_PER_STEP, default_max_rows_per_step
 from dspark_client.rounds import DraftRounds, SlotRequest, fair_bound_rounds
 from protocol import wire
+from tests.support.local_drafts import reference_drafter_one_thread
 from tests.support.worker_proc import WorkerProcess, start_worker
 
 W, SLOTS = 64, 8
@@ -38,14 +39,7 @@ WORKER_ARGS = ("--window", str(W), "--max-slots", str(SLOTS), "--max-total-slots
 
 @pytest.fixture(scope="module")
 def drafter() -> Iterator[Any]:
-    import torch
-
-    from dspark_worker.drafter import load_drafter
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_drafter(None)
-    torch.set_num_threads(before)
+    yield from reference_drafter_one_thread()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from dspark_client.config import RemoteConfig
 from dspark_client.rounds import DraftRounds
 from dspark_client.transport import EndpointError, parse_endpoint
 from protocol import wire
+from tests.support.local_drafts import reference_drafter_one_thread
 from tests.support.worker_proc import WorkerProcess, start_worker
 
 W, SLOTS = 16, 6
@@ -26,14 +27,7 @@ LIMIT = 1 << 20  # the worker's region limit: 1024 rows of 768 bytes fit
 
 @pytest.fixture(scope="module")
 def drafter() -> Iterator[Any]:
-    import torch
-
-    from dspark_worker.drafter import load_drafter
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_drafter(None)
-    torch.set_num_threads(before)
+    yield from reference_drafter_one_thread()
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from dspark_client.config import RemoteConfig
 from dspark_client.rounds import DraftRounds
 from protocol import wire
 from tests.support.chaos_proxy import ChaosProxy
+from tests.support.local_drafts import reference_drafter_one_thread
 from tests.support.worker_proc import WorkerProcess, start_worker
 
 W, SLOTS = 16, 6
@@ -26,16 +27,7 @@ WORKER_ARGS = ("--window", str(W), "--max-slots", "8", "--max-total-slots", "32"
 
 @pytest.fixture(scope="module")
 def drafter() -> Iterator[Any]:
-    import torch
-
-    from dspark_worker.drafter import load_drafter
-
-    # Two cores shared with the worker process: one intra-op thread keeps the reference drafts
-    # from fighting it (restored afterwards).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_drafter(None)
-    torch.set_num_threads(before)
+    yield from reference_drafter_one_thread()
 
 
 @pytest.fixture(scope="module")

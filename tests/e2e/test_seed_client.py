@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.support.local_drafts import reference_drafter_one_thread  # noqa: E402
 from tests.support.worker_proc import WorkerProcess, start_worker  # noqa: E402
 
 # The design folder beside the checkout (as CI lays it out), then the verbatim copy kept with
@@ -77,16 +78,7 @@ def seed_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def drafter() -> Iterator[Any]:
-    import torch
-
-    from dspark_worker.drafter import load_drafter
-
-    # Two cores shared with the worker process: one intra-op thread keeps the reference drafts
-    # from fighting it (restored afterwards).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_drafter(None)
-    torch.set_num_threads(before)
+    yield from reference_drafter_one_thread()
 
 
 @pytest.fixture(scope="module")

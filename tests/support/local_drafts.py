@@ -8,13 +8,27 @@ batched call, so "remote equals local" compares the wire path with the same draf
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from dspark_client.rounds import RoundResult, SlotRequest
 from dspark_worker.drafter import Drafter, SamplingParams
+
+
+def reference_drafter_one_thread() -> Iterator[Drafter]:
+    """The embedded reference drafter, for a module-scoped fixture (``yield from`` this). The
+    2 cores are shared with a worker process: one intra-op thread keeps the reference drafts
+    from fighting it, and the count is restored afterwards."""
+    import torch
+
+    from dspark_worker.drafter import load_drafter
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_drafter(None)
+    torch.set_num_threads(before)
 
 
 class LocalDrafts:
