@@ -44,7 +44,7 @@ from .model import (
     _embedding,
     attend,
     context_bias,
-    head_shapes,
+    expected_shapes,
     rotate_half,
 )
 
@@ -259,34 +259,19 @@ def _rope(r: ConfigReader, source: str) -> tuple[float, float]:
 
 
 def gemma4_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the Gemma4 checkpoint layout with its shape (DeepSpec key names)."""
-    d, v, hd, inter = c.hidden_size, c.vocab_size, c.head_dim, c.intermediate_size
-    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed_tokens.weight": (v, d),
-        "fc.weight": (d, c.tap_width),
-        "hidden_norm.weight": (d,),
-        "norm.weight": (d,),
-        "lm_head.weight": (v, d),
-    }
+    """Every tensor of the Gemma4 checkpoint layout with its shape (DeepSpec key names): the
+    Qwen3 layout without ``v_proj`` (V is the k_proj output, ``attention_k_eq_v``), with the
+    sandwich norms around the MLP and each layer's saved ``layer_scalar``."""
+    shapes = expected_shapes(c)
+    d = c.hidden_size
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
+        del shapes[p + "self_attn.v_proj.weight"]
         shapes.update({
-            p + "input_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (q_dim, d),
-            p + "self_attn.k_proj.weight": (kv_dim, d),
-            p + "self_attn.o_proj.weight": (d, q_dim),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
-            p + "post_attention_layernorm.weight": (d,),
             p + "pre_feedforward_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (inter, d),
-            p + "mlp.up_proj.weight": (inter, d),
-            p + "mlp.down_proj.weight": (d, inter),
             p + "post_feedforward_layernorm.weight": (d,),
             p + "layer_scalar": (1,),
         })
-    shapes.update(head_shapes(c))
     return shapes
 
 
