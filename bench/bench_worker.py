@@ -220,6 +220,28 @@ class Case:
     entries: list[list[int]]
 
 
+def time_steps(c: RawClient, data: bytearray, iters: int, warmup: int,
+               where: str = "") -> tuple[list[float], list[int], int]:
+    """``warmup`` then ``iters`` timed exchanges of the STEP frame ``data`` (its seq bumped in
+    place each time): (round trips in µs, the replies' worker_us, the reply frame's length)."""
+    rtt: list[float] = []
+    wus: list[int] = []
+    reply_len = 0
+    for i in range(iters + warmup):
+        c.seq += 1
+        SEQ.pack_into(data, SEQ_OFFSET, c.seq)
+        t0 = time.perf_counter()
+        h, reply = c.exchange(data)
+        dt = (time.perf_counter() - t0) * 1e6
+        if h.status != ST_OK:
+            raise SystemExit(f"STEP refused{where}: status {h.status}")
+        reply_len = APP_HEADER_SIZE + len(reply)
+        if i >= warmup:
+            rtt.append(dt)
+            wus.append(REPLY_HEADER.unpack_from(reply)[4])
+    return rtt, wus, reply_len
+
+
 def run_case(c: RawClient, case: Case, z: ZmqDraftServer | None) -> tuple[float, ...]:
     """One round of one case: the worker, then the held floor and the ZMQ + JSON server for
     the same STEP, one after the other (two torch processes taking turns STEP by STEP would
@@ -227,20 +249,7 @@ def run_case(c: RawClient, case: Case, z: ZmqDraftServer | None) -> tuple[float,
     (RTT p50, p99, worker_us p50, p99, RTT - worker_us p50, p99, floor p50, ZMQ RTT p50, ZMQ
     server time p50)."""
     n, data = case.iters, case.frame
-    rtt, wus = [], []
-    reply_len = 0
-    for i in range(n + n // 10):
-        c.seq += 1
-        SEQ.pack_into(data, SEQ_OFFSET, c.seq)
-        t0 = time.perf_counter()
-        h, reply = c.exchange(data)
-        dt = (time.perf_counter() - t0) * 1e6
-        if h.status != ST_OK:
-            raise SystemExit(f"STEP refused: status {h.status}")
-        reply_len = APP_HEADER_SIZE + len(reply)
-        if i >= n // 10:
-            rtt.append(dt)
-            wus.append(REPLY_HEADER.unpack_from(reply)[4])
+    rtt, wus, reply_len = time_steps(c, data, n, n // 10)
     diff = [a - b for a, b in zip(rtt, wus, strict=True)]
     (r50, r99), (w50, w99), (d50, d99) = q(rtt), q(wus), q(diff)
     f50 = z50 = zs50 = float("nan")
@@ -495,21 +504,8 @@ def bench_transports(rounds: int, threads: int, device: str, sizes: tuple[int, .
                 n_req, n_rows = shapes[size]
                 for name in cols:
                     c = clients[name]
-                    data = frames[(name, size)]
-                    rtt, wus = [], []
-                    reply_len = 0
-                    for i in range(iters + max(2, iters // 10)):
-                        c.seq += 1
-                        SEQ.pack_into(data, SEQ_OFFSET, c.seq)
-                        t0 = time.perf_counter()
-                        h, reply = c.exchange(data)
-                        dt = (time.perf_counter() - t0) * 1e6
-                        if h.status != ST_OK:
-                            raise SystemExit(f"STEP refused on {name}: status {h.status}")
-                        reply_len = APP_HEADER_SIZE + len(reply)
-                        if i >= max(2, iters // 10):
-                            rtt.append(dt)
-                            wus.append(REPLY_HEADER.unpack_from(reply)[4])
+                    rtt, wus, reply_len = time_steps(c, frames[(name, size)], iters,
+                                                     max(2, iters // 10), f" on {name}")
                     results.setdefault((name, size), []).append(
                         (statistics.median(rtt), statistics.median(wus),
                          statistics.median([a - b for a, b in zip(rtt, wus, strict=True)])))

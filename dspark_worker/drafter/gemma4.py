@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from .config import ConfigReader, DrafterConfig, DrafterConfigError, temperatures
 from .model import (
+    MLP,
     ConfidenceHead,
     ContextSource,
     DraftModel,
@@ -307,17 +308,9 @@ class Gemma4Attention(nn.Module):
         self.k_norm = Gemma4RMSNorm(hd, c.rms_norm_eps)
 
 
-class Gemma4MLP(nn.Module):
-    def __init__(self, c: DrafterConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate = F.gelu(self.gate_proj(x), approximate="tanh")  # [..., I]
-        out: Tensor = self.down_proj(gate * self.up_proj(x))  # [..., d]
-        return out
+def gelu_tanh(x: Tensor) -> Tensor:
+    """Gemma4's MLP activation (``hidden_activation: gelu_pytorch_tanh``)."""
+    return F.gelu(x, approximate="tanh")
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -328,7 +321,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.self_attn = Gemma4Attention(c)
         self.post_attention_layernorm = Gemma4RMSNorm(d, eps)
         self.pre_feedforward_layernorm = Gemma4RMSNorm(d, eps)
-        self.mlp = Gemma4MLP(c)
+        self.mlp = MLP(c, gelu_tanh)
         self.post_feedforward_layernorm = Gemma4RMSNorm(d, eps)
         # A saved [1] tensor (a buffer in DeepSpec, 1.0 after training); it still multiplies.
         self.layer_scalar = nn.Parameter(torch.ones(1))

@@ -27,6 +27,7 @@ j, also for the rnn head.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar, cast
 
 import torch
@@ -68,14 +69,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: DrafterConfig) -> None:
+    """The gated MLP: ``down(act(gate(x)) * up(x))``; SiLU in Qwen3, a family may pass its own."""
+
+    def __init__(self, c: DrafterConfig,
+                 act: Callable[[Tensor], Tensor] = F.silu) -> None:
         super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [..., d]
+        out: Tensor = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # [..., d]
         return out
 
 
