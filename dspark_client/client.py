@@ -64,8 +64,7 @@ from protocol import wire
 from protocol.auth import sign_hello
 from protocol.constants import CAP_SHM_ROWS, STEP_HEADER_SIZE
 from protocol.messages import ENTRY_DTYPE, SampleMeta, reply_layout
-from protocol.sampled import check_draws
-from protocol.sampled import validate as validate_sampled
+from protocol.sampled import check_reply as check_sampled_reply
 from protocol.shm import ROWS_ALIGN, set_rows_at
 from protocol.validate import check_reply_values
 
@@ -1013,15 +1012,13 @@ class RemoteDraftClient:
         needed = (((sent["flags"] & wire.RF_NEED_DRAFT) != 0)
                   & ((reply.status == wire.RS_OK) | (reply.status == wire.RS_PARTIAL_WINDOW)))
         try:
-            validate_sampled(mask, sup, q, reply.draft_ids, needed, self.hello.vocab_size,
-                             sent["top_k"])
+            check_sampled_reply(mask, sup, q, reply.draft_ids, needed, self.hello.vocab_size,
+                                sent["top_k"], sent["seed"], sent["generation"],
+                                sent["anchor_pos"])
         except wire.WireError:
             raise
         except ValueError as exc:  # shape errors of the caller's arrays
             raise wire.WireError(str(exc)) from exc
-        if mask.any():
-            check_draws(mask, sup, q, reply.draft_ids, sent["seed"], sent["generation"],
-                        sent["anchor_pos"])
 
     def _bad_reply(self, e: wire.WireError, rtt_us: float) -> StepOutcome:
         self.stats.inc("bad_replies")

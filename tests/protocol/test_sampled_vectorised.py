@@ -6,9 +6,11 @@ adversarial ways (hypothesis). The fast path must accept exactly what the rules 
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,37 +34,44 @@ def splitmix_u(seed: int, generation: int, position: int) -> int:
 
 def rules_accept(mask: Any, sup: Any, q: Any, drafts: Any, needed: Any, top_ks: Any) -> bool:
     """Section 9.2, entry by entry."""
+    return first_offender(mask, sup, q, drafts, needed, top_ks) is None
+
+
+def first_offender(mask: Any, sup: Any, q: Any, drafts: Any, needed: Any,
+                   top_ks: Any) -> tuple[int, int | None] | None:
+    """Section 9.2, entry by entry: the first (entry, position) that breaks it (position None
+    for the entry's mask), or None."""
     n, N = drafts.shape
     for i in range(n):
         want = bool(needed[i]) and int(top_ks[i]) > 0
         if int(mask[i]) not in (0, 1) or bool(mask[i]) != want:
-            return False
+            return i, None
         for j in range(N):
             ids = [int(x) for x in sup[i, j]]
             qq = [int(x) for x in q[i, j]]
             d = int(drafts[i, j])
             if not mask[i]:
                 if any(ids) or any(qq):
-                    return False
+                    return i, j
                 continue
             if not any(ids) and not any(qq) and d == 0:
                 continue  # not drafted
             used = [p for p in range(MAX_TOP_K) if qq[p] > 0]
             if used != list(range(len(used))) or sum(qq) != Q_TOTAL:
-                return False
+                return i, j
             for p in range(MAX_TOP_K):
                 if qq[p] > 0 and not (0 <= ids[p] < VOCAB and p < int(top_ks[i])):
-                    return False
+                    return i, j
                 if qq[p] == 0 and ids[p] != 0:
-                    return False
+                    return i, j
             if len({ids[p] for p in used}) != len(used):
-                return False
+                return i, j
             for a, b in itertools.pairwise(used):
                 if not (qq[a] > qq[b] or (qq[a] == qq[b] and ids[a] < ids[b])):
-                    return False
+                    return i, j
             if d not in [ids[p] for p in used]:
-                return False
-    return True
+                return i, j
+    return None
 
 
 def draws_hold(mask: Any, sup: Any, q: Any, drafts: Any, seeds: Any, gens: Any,
@@ -202,6 +211,84 @@ def test_fast_checks_accept_exactly_what_the_rules_accept(seed: int, n: int, N: 
     assert fast_accepts(r) == ok
     if ok:  # check_draws runs only on replies that passed validate
         assert fast_draws_hold(r) == draws(r)
+    else:  # the refusal names the first offender of the rules
+        first = first_offender(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"],
+                               r["top_ks"])
+        err = refusal(lambda: sampled.validate(r["mask"], r["sup"], r["q"], r["drafts"],
+                                               r["needed"], VOCAB, r["top_ks"]))
+        assert err is not None and first is not None
+        assert (err.entry, err.position) == first, str(err)
+    # The client's one-pass check refuses exactly what the two in turn refuse, with the same words.
+    assert message(refusal(lambda: combined(r))) == message(refusal(lambda: in_turn(r)))
+
+
+def refusal(fn: Any) -> ReplyValueError | None:
+    try:
+        fn()
+    except ReplyValueError as exc:
+        return exc
+    return None
+
+
+def message(err: ReplyValueError | None) -> str | None:
+    return None if err is None else str(err)
+
+
+def combined(r: dict[str, Any]) -> None:
+    sampled.check_reply(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"], VOCAB,
+                        r["top_ks"], r["seeds"], r["gens"], r["anchors"])
+
+
+def in_turn(r: dict[str, Any]) -> None:
+    sampled.validate(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"], VOCAB, r["top_ks"])
+    sampled.check_draws(r["mask"], r["sup"], r["q"], r["drafts"], r["seeds"], r["gens"],
+                        r["anchors"])
+
+
+def test_a_draft_outside_its_support_is_named_by_9_2_in_the_combined_check() -> None:
+    """A draft that is no support id fails both 9.2 and the draw; 9.2 comes first, also when
+    an earlier entry's draw is wrong (its draft a support id, so 9.2 holds there)."""
+    r = build(5, 64, 3)
+    drafted = np.argwhere(r["q"].any(axis=-1) & (r["mask"][:, None] == 1))
+    two = [(i, j) for i, j in drafted if (r["q"][i, j] > 0).sum() > 1]
+    (i0, j0), (i1, j1) = two[0], two[-1]
+    assert i0 < i1
+    ids = r["sup"][i0, j0][r["q"][i0, j0] > 0]
+    r["drafts"][i0, j0] = ids[ids != r["drafts"][i0, j0]][0]  # valid 9.2, wrong draw
+    r["drafts"][i1, j1] = VOCAB - 1 if VOCAB - 1 not in r["sup"][i1, j1] else VOCAB - 2
+    err = refusal(lambda: combined(r))
+    assert err is not None and (err.entry, err.position) == (i1, j1)
+    assert "is not a support id" in str(err)
+    assert message(err) == message(refusal(lambda: in_turn(r)))
+    r["drafts"][i1, j1] = build(5, 64, 3)["drafts"][i1, j1]  # only the wrong draw is left
+    err = refusal(lambda: combined(r))
+    assert err is not None and (err.entry, err.position) == (i0, j0)
+    assert "is not the draw" in str(err)
+
+
+def test_threads_check_replies_at_once() -> None:
+    """The checks keep scratch arrays per thread: replies of different sizes checked from
+    several threads at once each get their own verdict."""
+    good = [build(s, n, N) for s, n, N in ((1, 200, 7), (2, 3, 2), (3, 64, 5), (4, 17, 1))]
+    bad = [build(s, n, N) for s, n, N in ((1, 200, 7), (2, 3, 2), (3, 64, 5), (4, 17, 1))]
+    for b in bad:
+        i, j = np.argwhere(b["q"].any(axis=-1))[-1]
+        b["q"][i, j, 0] += 1  # the sum is one over
+    errors: list[str] = []
+
+    def run(k: int) -> None:
+        for _ in range(30):
+            for r, want in ((good[k], True), (bad[k], False)):
+                got = refusal(lambda r=r: combined(r)) is None
+                if got != want:
+                    errors.append(f"thread {k}: {want} became {got}")
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
 
 
 def test_draws_re_derived_at_256_entries() -> None:
@@ -224,3 +311,114 @@ def test_a_repeat_across_q_levels_is_found() -> None:
     with np.testing.assert_raises_regex(ReplyValueError, "appears twice"):
         sampled.validate(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"], VOCAB,
                          r["top_ks"])
+
+
+def _two_used(r: dict[str, Any]) -> tuple[int, int]:
+    at = np.argwhere((r["q"][..., 1] > 0) & (r["mask"][:, None] == 1))
+    return int(at[0][0]), int(at[0][1])
+
+
+def _id0_twice(r: dict[str, Any]) -> None:
+    i, j = _two_used(r)
+    r["sup"][i, j, :2] = 0
+
+
+def _id0_once(r: dict[str, Any]) -> None:  # valid when 0 is not already used elsewhere
+    i, j = _two_used(r)
+    used = r["q"][i, j] > 0
+    if 0 not in r["sup"][i, j][used]:
+        r["sup"][i, j, int(used.sum()) - 1] = 0
+
+
+def _tie(r: dict[str, Any], ascending: bool) -> None:
+    """The first two places of a position get equal q (their total is even there)."""
+    q64 = r["q"].astype(np.int64)
+    at = np.argwhere((q64[..., 1] > 0) & ((q64[..., 0] + q64[..., 1]) % 2 == 0)
+                     & (r["mask"][:, None] == 1))
+    i, j = (int(x) for x in at[0])
+    q = r["q"][i, j]
+    q[0] = q[1] = (int(q[0]) + int(q[1])) // 2
+    lo, hi = sorted(int(x) for x in r["sup"][i, j, :2])
+    r["sup"][i, j, :2] = (lo, hi) if ascending else (hi, lo)
+
+
+def _wide_int(r: dict[str, Any]) -> None:  # an id that wraps to a valid int32
+    r["sup"] = r["sup"].astype(np.int64)
+    i, j = _two_used(r)
+    r["sup"][i, j, 0] += 1 << 32
+
+
+def _q_wraps(r: dict[str, Any]) -> None:  # q that sums to 2**24 only modulo 2**32
+    r["q"] = r["q"].astype(np.int64)
+    i, j = _two_used(r)
+    r["q"][i, j, 0] += 1 << 32
+
+
+def _empty_but_drafted(r: dict[str, Any]) -> None:
+    i, j = _two_used(r)
+    r["q"][i, j] = 0
+    r["sup"][i, j] = 0  # the draft id stays: drafted without q
+
+
+def _top_k_wide(r: dict[str, Any]) -> None:  # a top_k past MAX_TOP_K is only a bound
+    r["top_ks"][r["top_ks"] > 0] = 200
+
+
+ADVERSARIAL = {"id0_twice": _id0_twice, "id0_once": _id0_once,
+               "tie_ascending": lambda r: _tie(r, True), "tie_descending": lambda r: _tie(r, False),
+               "wide_int": _wide_int, "q_wraps": _q_wraps, "empty_but_drafted": _empty_but_drafted,
+               "top_k_wide": _top_k_wide}
+
+
+@pytest.mark.parametrize("case", sorted(ADVERSARIAL))
+def test_adversarial_replies_get_the_rules_verdict(case: str) -> None:
+    """Cases aimed at the shortcuts of the one pass: id 0 (an unused place's id) used once or
+    twice, equal q on both sides of the id order, integers that wrap into range, a drafted
+    position without q, a top_k past 32. Every entry 8 places deep so that the sort and the
+    neighbour tests see several positions."""
+    for seed in range(6):
+        r = build(seed, 40, 4)
+        r["top_ks"][r["top_ks"] > 0] = np.minimum(r["top_ks"][r["top_ks"] > 0] + 24, 32)
+        r = rebuild(r)
+        ADVERSARIAL[case](r)
+        ok = rules_accept(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"], r["top_ks"])
+        assert fast_accepts(r) == ok, (case, seed)
+        assert message(refusal(lambda r=r: combined(r))) == message(refusal(lambda r=r: in_turn(r)))
+        if case in ("wide_int", "q_wraps", "id0_twice", "empty_but_drafted", "tie_descending"):
+            assert not ok
+        if case in ("id0_once", "tie_ascending", "top_k_wide"):
+            assert ok
+
+
+def rebuild(r: dict[str, Any]) -> dict[str, Any]:
+    """``build`` again with the (raised) top_ks kept: the sampled positions are drawn anew."""
+    rng = np.random.default_rng(99)
+    n, N = r["drafts"].shape
+    for i in range(n):
+        if not r["mask"][i]:
+            continue
+        for j in range(N):
+            if not r["q"][i, j].any():
+                continue
+            ids, qq = sampled.build_q(rng.normal(size=VOCAB) * 0.5, int(r["top_ks"][i]), 1.0)
+            r["sup"][i, j], r["q"][i, j] = ids, qq
+            u = splitmix_u(int(r["seeds"][i]), int(r["gens"][i]), int(r["anchors"][i]) + j + 1)
+            r["drafts"][i, j] = sampled.draw(ids, qq, u)
+    assert rules(r) and draws(r)
+    return r
+
+
+@pytest.mark.parametrize("entry", [0, 1, 127, 128, 254, 255])
+def test_the_first_offender_of_256_entries_is_named(entry: int) -> None:
+    """The failure path searches for the first failing entry with the one pass: an offender
+    anywhere, and a second one after it, name the first."""
+    r = build(21, 256, 3)
+    drafted = np.argwhere(r["q"].any(axis=-1) & (r["mask"][:, None] == 1))
+    later = [(int(i), int(j)) for i, j in drafted if i >= entry]
+    (i, j), (i2, j2) = later[0], later[-1]
+    r["q"][i, j, 0] += 1
+    if (i2, j2) != (i, j):
+        r["sup"][i2, j2, MAX_TOP_K - 1] = 3  # an unused place with an id
+    err = refusal(lambda: combined(r))
+    assert err is not None and (err.entry, err.position) == (i, j)
+    assert f"q sums to {Q_TOTAL + 1}" in str(err)
