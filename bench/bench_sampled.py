@@ -1,12 +1,13 @@
 """The client's sampled-reply checks (docs/contract.md 9.2 and 9.3) at 1, 64 and 256 entries,
-N = 7: ``protocol.sampled.validate`` and ``check_draws`` as they are, and optionally as they were
-at a git revision (loaded from ``git show REV:protocol/sampled.py``), timed alternately in one
-process so that their ratio is measured under the same load.
+N = 7: ``protocol.sampled.validate``, ``check_draws`` and the one-pass ``check_reply`` the client
+runs (at a revision without it: the two in turn), as they are and optionally as they were at a
+git revision (loaded from ``git show REV:protocol/sampled.py``), timed alternately in one process
+so that their ratio is measured under the same load.
 
-    python bench/bench_sampled.py [--baseline REV] [--seconds 2]
+    python bench/bench_sampled.py [--baseline REV] [--seconds 2] [--top-k 16]
 
-The reply is bench/bench_client.py's: every entry sampled (top_k 8, T 0.8, top_p 0.95), every
-position drafted and its draw re-derivable.
+The reply is bench/bench_client.py's: every entry sampled (top_k 16 unless --top-k says, T 0.8,
+top_p 0.95), every position drafted and its draw re-derivable.
 """
 
 from __future__ import annotations
@@ -72,30 +73,46 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="a git revision to compare with")
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--top-k", type=int, default=bc.TOP_K)
     args = ap.parse_args()
+    bc.TOP_K = args.top_k
     impls: dict[str, ModuleType] = {"now": sampled}
     if args.baseline:
         impls[args.baseline] = load_revision(args.baseline)
     print(f"median us per call, N = {bc.N}; each figure the median of {args.rounds} rounds,"
           " implementations alternating")
-    print(f"{'n':>4} {'impl':>10} | {'validate':>9} {'check_draws':>11} {'both':>8}")
+    print(f"top_k {bc.TOP_K}")
+    print(f"{'n':>4} {'impl':>10} | {'validate':>9} {'check_draws':>11} {'check_reply':>11}")
     for n in (1, 64, 256):
         reply, sent = case(n)
         needed = np.ones(n, bool)
-        res: dict[str, list[tuple[float, float]]] = {k: [] for k in impls}
+        res: dict[str, list[tuple[float, float, float]]] = {k: [] for k in impls}
         for _ in range(args.rounds):
             for name, mod in impls.items():
                 v = timed(lambda mod=mod, r=reply, s=sent, nd=needed: mod.validate(
                     r.sampled_mask, r.support_ids, r.proposal_q, r.draft_ids, nd, bc.VOCAB,
-                    s["top_k"]), args.seconds / 2)
+                    s["top_k"]), args.seconds / 3)
                 c = timed(lambda mod=mod, r=reply, s=sent: mod.check_draws(
                     r.sampled_mask, r.support_ids, r.proposal_q, r.draft_ids, s["seed"],
-                    s["generation"], s["anchor_pos"]), args.seconds / 2)
-                res[name].append((v, c))
+                    s["generation"], s["anchor_pos"]), args.seconds / 3)
+                b = timed(lambda mod=mod, r=reply, s=sent, nd=needed: both(mod, r, s, nd),
+                          args.seconds / 3)
+                res[name].append((v, c, b))
         for name in impls:
-            v = statistics.median(x[0] for x in res[name])
-            c = statistics.median(x[1] for x in res[name])
-            print(f"{n:>4} {name:>10} | {v:>9.1f} {c:>11.1f} {v + c:>8.1f}")
+            v, c, b = (statistics.median(x[k] for x in res[name]) for k in range(3))
+            print(f"{n:>4} {name:>10} | {v:>9.1f} {c:>11.1f} {b:>11.1f}")
+
+
+def both(mod: ModuleType, r: Any, s: Any, needed: Any) -> None:
+    """What the client runs on a sampled reply: ``check_reply``, or where a revision lacks it,
+    ``validate`` then ``check_draws``."""
+    args = (r.sampled_mask, r.support_ids, r.proposal_q, r.draft_ids)
+    if hasattr(mod, "check_reply"):
+        mod.check_reply(*args, needed, bc.VOCAB, s["top_k"], s["seed"], s["generation"],
+                        s["anchor_pos"])
+    else:
+        mod.validate(*args, needed, bc.VOCAB, s["top_k"])
+        mod.check_draws(*args, s["seed"], s["generation"], s["anchor_pos"])
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ and closes the connection.
 Replies. A STEP reply is accepted only if it echoes op, session, seq, step_id and every
 generation; its shape matches the STEP; its values keep section 6.3
 (``protocol.validate.check_reply_values``); and, on a sampled session, its proposals keep
-section 9.2 (``protocol.sampled.validate``) and every draw re-derives from (seed, generation,
-position) (``protocol.sampled.check_draws``). A refused reply fails the round: the connection
+section 9.2 and every draw re-derives from (seed, generation, position) (section 9.3; both in
+one pass, ``protocol.sampled.check_reply``). A refused reply fails the round: the connection
 is dropped and every slot of the STEP resyncs. A fatal frame status (section 5) disables remote
 drafting for the engine run, except ST_BAD_FRAME on a STEP over ``SIZE_SUSPECT_BYTES``, which
 may be the worker's frame limit: that round fails and ``DraftRounds`` lowers its row budget. A
