@@ -170,9 +170,11 @@ def bench_step(n: int, sampled: bool, seconds: float) -> dict[str, Any]:
         assert reply.sampled_mask is not None and reply.support_ids is not None
         assert reply.proposal_q is not None
         needed = np.ones(n, bool)
+        scratch = psampled.Scratch()
         parts["sampled.check_reply"] = timeit(lambda: psampled.check_reply(
             reply.sampled_mask, reply.support_ids, reply.proposal_q, reply.draft_ids, needed,
-            VOCAB, sent["top_k"], sent["seed"], sent["generation"], sent["anchor_pos"]),
+            VOCAB, sent["top_k"], sent["seed"], sent["generation"], sent["anchor_pos"],
+            scratch=scratch),
             seconds / 4)
     client.close()
     return {"what": "step", "n": n, "N": N, "sampled": sampled, **res,

@@ -89,27 +89,29 @@ def main() -> None:
         res: dict[str, list[tuple[float, float, float]]] = {k: [] for k in impls}
         for _ in range(args.rounds):
             for name, mod in impls.items():
-                v = timed(lambda mod=mod, r=reply, s=sent, nd=needed: mod.validate(
+                # Scratch arrays kept between calls where the revision has them (as the client)
+                kw = {"scratch": mod.Scratch()} if hasattr(mod, "Scratch") else {}
+                v = timed(lambda mod=mod, r=reply, s=sent, nd=needed, kw=kw: mod.validate(
                     r.sampled_mask, r.support_ids, r.proposal_q, r.draft_ids, nd, bc.VOCAB,
-                    s["top_k"]), args.seconds / 3)
-                c = timed(lambda mod=mod, r=reply, s=sent: mod.check_draws(
+                    s["top_k"], **kw), args.seconds / 3)
+                c = timed(lambda mod=mod, r=reply, s=sent, kw=kw: mod.check_draws(
                     r.sampled_mask, r.support_ids, r.proposal_q, r.draft_ids, s["seed"],
-                    s["generation"], s["anchor_pos"]), args.seconds / 3)
-                b = timed(lambda mod=mod, r=reply, s=sent, nd=needed: both(mod, r, s, nd),
-                          args.seconds / 3)
+                    s["generation"], s["anchor_pos"], **kw), args.seconds / 3)
+                b = timed(lambda mod=mod, r=reply, s=sent, nd=needed, kw=kw: both(
+                    mod, r, s, nd, kw), args.seconds / 3)
                 res[name].append((v, c, b))
         for name in impls:
             v, c, b = (statistics.median(x[k] for x in res[name]) for k in range(3))
             print(f"{n:>4} {name:>10} | {v:>9.1f} {c:>11.1f} {b:>11.1f}")
 
 
-def both(mod: ModuleType, r: Any, s: Any, needed: Any) -> None:
+def both(mod: ModuleType, r: Any, s: Any, needed: Any, kw: dict[str, Any]) -> None:
     """What the client runs on a sampled reply: ``check_reply``, or where a revision lacks it,
     ``validate`` then ``check_draws``."""
     args = (r.sampled_mask, r.support_ids, r.proposal_q, r.draft_ids)
     if hasattr(mod, "check_reply"):
         mod.check_reply(*args, needed, bc.VOCAB, s["top_k"], s["seed"], s["generation"],
-                        s["anchor_pos"])
+                        s["anchor_pos"], **kw)
     else:
         mod.validate(*args, needed, bc.VOCAB, s["top_k"])
         mod.check_draws(*args, s["seed"], s["generation"], s["anchor_pos"])

@@ -64,6 +64,7 @@ from protocol import wire
 from protocol.auth import sign_hello
 from protocol.constants import CAP_SHM_ROWS, STEP_HEADER_SIZE
 from protocol.messages import ENTRY_DTYPE, SampleMeta, reply_layout
+from protocol.sampled import Scratch
 from protocol.sampled import check_reply as check_sampled_reply
 from protocol.shm import ROWS_ALIGN, set_rows_at
 from protocol.validate import check_reply_values
@@ -193,6 +194,7 @@ class RemoteDraftClient:
         self._shared = _Shared()
         self._lock = self._shared.lock  # guards session, seq, epoch, conn, ready
         self._io_lock = threading.Lock()  # one request at a time on the connection
+        self._scratch = Scratch()  # the sampled checks' arrays; used under _io_lock
         self._pid = os.getpid()
         self._seq = 0
         self._ready = False
@@ -1014,7 +1016,7 @@ class RemoteDraftClient:
         try:
             check_sampled_reply(mask, sup, q, reply.draft_ids, needed, self.hello.vocab_size,
                                 sent["top_k"], sent["seed"], sent["generation"],
-                                sent["anchor_pos"])
+                                sent["anchor_pos"], scratch=self._scratch)
         except wire.WireError:
             raise
         except ValueError as exc:  # shape errors of the caller's arrays

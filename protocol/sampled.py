@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import itertools
-import threading
 from typing import Any, Final
 
 import numpy as np
@@ -21,8 +20,8 @@ import numpy.typing as npt
 from .constants import MAX_TOP_K, Q_BITS, Q_TOTAL
 from .errors import ReplyValueError
 
-__all__ = ["MAX_TOP_K", "Q_BITS", "Q_TOTAL", "build_q", "check_draws", "check_reply", "draw",
-           "draw_u", "quantize", "top_k_probs", "validate"]
+__all__ = ["MAX_TOP_K", "Q_BITS", "Q_TOTAL", "Scratch", "build_q", "check_draws", "check_reply",
+           "draw", "draw_u", "quantize", "top_k_probs", "validate"]
 
 # SplitMix64 constants (Steele, Lea and Flood, 2014).
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
@@ -135,11 +134,13 @@ def draw(support_ids: ArrayLike, q: ArrayLike, u: ArrayLike) -> npt.NDArray[np.i
     return np.take_along_axis(ids, place[..., None], axis=-1)[..., 0].astype(np.int32)
 
 
-class _Work(threading.local):
-    """Per-thread scratch arrays of the checks, grown to the largest reply seen and reused.
-    A reply of 256 entries x N = 7 makes temporaries of 57k places (458 KB for the running sum);
-    allocating them afresh on every call put the allocator's page faults and heap trimming on
-    the engine's critical path, doubling the cost or not depending on the heap's state."""
+class Scratch:
+    """Scratch arrays of the checks, grown to the largest reply seen and reused: hand one to
+    ``validate`` / ``check_draws`` / ``check_reply`` on a hot path (the client keeps one; it
+    checks replies on the engine thread only). A reply of 256 entries x N = 7 makes temporaries
+    of 57,344 places (458 KB for the running sum); allocated afresh on every call, the
+    allocator's mapping and unmapping of them doubled the cost or not depending on the heap's
+    state. Not to be shared between threads. Without one, each call allocates its own."""
 
     def __init__(self) -> None:
         self.bufs: dict[str, Any] = {}
@@ -151,9 +152,6 @@ class _Work(threading.local):
         return buf[:size]
 
 
-_work = _Work()
-
-
 class _Scan:
     """What the one pass of section 9.2 leaves for 9.3: ids and q flat (``[M * K]``, M = n * N
     positions, K = MAX_TOP_K), q's running sum over the whole reply (non-decreasing: q is
@@ -161,11 +159,11 @@ class _Scan:
 
     __slots__ = ("C", "K", "M", "N", "T", "base", "d", "drafted", "ids", "q")
 
-    def __init__(self, ids: Any, q: Any, d: Any, N: int) -> None:
+    def __init__(self, ids: Any, q: Any, d: Any, N: int, w: Scratch) -> None:
         self.ids, self.q, self.d, self.N = ids, q, d, N
         self.K = K = MAX_TOP_K
         self.M = d.size
-        self.C = np.cumsum(q, dtype=np.int64, out=_work.get("C", np.int64, q.size))
+        self.C = np.cumsum(q, dtype=np.int64, out=w.get("C", np.int64, q.size))
         ends = self.C[K - 1::K]
         self.base = np.empty_like(ends)  # the running sum before each position
         self.base[:1] = 0
@@ -203,7 +201,7 @@ def _wire_arrays(support_ids: Any, proposal_q: Any, vocab_size: int) -> tuple[An
 
 
 def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: Any,
-             vocab_size: int, tk: Any, member: bool) -> tuple[_Scan, bool]:
+             vocab_size: int, tk: Any, member: bool, w: Scratch) -> tuple[_Scan, bool]:
     """Section 9.2 over every position at once: the scan, and whether the reply passes.
     ``member``: also check that each draft is a support id with q > 0 (a draft that
     re-derives under 9.3 is one, so the combined check leaves it to the draw).
@@ -225,9 +223,9 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
     M = n * N
     sampled = mask == 1
     if (((mask != 0) & ~sampled) | (sampled != (need & (tk > 0)))).any():
-        return _Scan(np.zeros(0, np.int32), np.zeros(0, np.uint32), np.zeros(0), N), False
+        return _Scan(np.zeros(0, np.int32), np.zeros(0, np.uint32), np.zeros(0), N, w), False
     ids, q, fits = _wire_arrays(support_ids, proposal_q, vocab_size)
-    s = _Scan(ids, q, drafts.reshape(-1), N)
+    s = _Scan(ids, q, drafts.reshape(-1), N, w)
     full = s.T == Q_TOTAL
     if sampled.all() and full.all():  # the usual reply: every position drafted
         s.drafted = full
@@ -249,24 +247,24 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
             return s, False
     if int(ids.view(np.uint32).max()) >= vocab_size:
         return s, False
-    used = np.not_equal(q, 0, out=_work.get("used", bool, q.size))
-    nz = np.not_equal(ids, 0, out=_work.get("nz", bool, q.size))
-    if np.greater(nz, used, out=_work.get("t1", bool, q.size)).any():  # unused, id not 0
+    used = np.not_equal(q, 0, out=w.get("used", bool, q.size))
+    nz = np.not_equal(ids, 0, out=w.get("nz", bool, q.size))
+    if np.greater(nz, used, out=w.get("t1", bool, q.size)).any():  # unused, id not 0
         return s, False
-    if _out_of_order(ids, q, used):
+    if _out_of_order(ids, q, used, w):
         return s, False
-    if sampled.any() and _repeats(ids, used, nz, M, min(K, int(tk[sampled].max()))):
+    if sampled.any() and _repeats(ids, used, nz, M, min(K, int(tk[sampled].max())), w):
         return s, False
-    if member and not (_members(ids, used, s.d, M) == s.drafted).all():
+    if member and not (_members(ids, used, s.d, M, w) == s.drafted).all():
         return s, False
     return s, True
 
 
-def _out_of_order(ids: Any, q: Any, used: Any) -> bool:
+def _out_of_order(ids: Any, q: Any, used: Any, w: Scratch) -> bool:
     """Is any pair of neighbouring places (p, p + 1) of one position out of canonical order:
     q rises, or equal used q with ids not ascending?"""
     K = MAX_TOP_K
-    cand = np.less_equal(q[:-1], q[1:], out=_work.get("t1", bool, q.size - 1))
+    cand = np.less_equal(q[:-1], q[1:], out=w.get("t1", bool, q.size - 1))
     cand &= used[1:]
     cand[K - 1::K] = False  # the last place of one position and the first of the next
     if not cand.any():
@@ -275,35 +273,35 @@ def _out_of_order(ids: Any, q: Any, used: Any) -> bool:
     return bool(((q[at] < q[at + 1]) | (ids[at] >= ids[at + 1])).any())
 
 
-def _repeats(ids: Any, used: Any, nz: Any, M: int, D: int) -> bool:
+def _repeats(ids: Any, used: Any, nz: Any, M: int, D: int, w: Scratch) -> bool:
     """Does a used id appear twice at one position? Unused places carry id 0 and, past the
     first D, every place is unused; so after sorting each position's first D ids, a repeat is
     an equal non-zero neighbour, or id 0 used at two places."""
     K = MAX_TOP_K
     if D <= 1:
         return False
-    srt = _work.get("srt", np.int32, M * D).reshape(M, D)
+    srt = w.get("srt", np.int32, M * D).reshape(M, D)
     np.copyto(srt, ids.reshape(M, K)[:, :D])
     srt.sort(axis=1)
     srt = srt.reshape(-1)
-    dup = np.equal(srt[1:], srt[:-1], out=_work.get("t1", bool, srt.size - 1))
-    dup &= np.not_equal(srt[1:], 0, out=_work.get("t2", bool, srt.size - 1))
+    dup = np.equal(srt[1:], srt[:-1], out=w.get("t1", bool, srt.size - 1))
+    dup &= np.not_equal(srt[1:], 0, out=w.get("t2", bool, srt.size - 1))
     dup[D - 1::D] = False  # the last place of one position and the first of the next
     if dup.any():
         return True
-    zero_used = np.greater(used, nz, out=_work.get("t1", bool, used.size))
+    zero_used = np.greater(used, nz, out=w.get("t1", bool, used.size))
     if not zero_used.any():
         return False
     rows = np.flatnonzero(zero_used) // K  # ascending: a repeat is two equal neighbours
     return bool((rows[1:] == rows[:-1]).any())
 
 
-def _members(ids: Any, used: Any, d: Any, M: int) -> Any:
+def _members(ids: Any, used: Any, d: Any, M: int, w: Scratch) -> Any:
     """Per position: is its draft id one of its used support ids? Used ids are distinct (the
     distinctness rule runs first), so a position matches at one place or none."""
     K = MAX_TOP_K
     hit = np.equal(ids.reshape(M, K), d[:, None],
-                   out=_work.get("t2", bool, M * K).reshape(M, K)).reshape(-1)
+                   out=w.get("t2", bool, M * K).reshape(M, K)).reshape(-1)
     hit &= used
     out = np.zeros(M, bool)
     out[np.flatnonzero(hit) // K] = True
@@ -328,7 +326,7 @@ def _inputs(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLi
 
 def validate(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
              draft_ids: ArrayLike, needed: ArrayLike, vocab_size: int,
-             top_ks: ArrayLike) -> None:
+             top_ks: ArrayLike, *, scratch: Scratch | None = None) -> None:
     """Section 9.2. ``needed[i]``: entry i asked for a draft and got a usable status;
     ``top_ks[i]``: its top_k. Raises ReplyValueError naming entry, position and value.
 
@@ -336,23 +334,26 @@ def validate(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayL
     of ``_explain`` name the first offender."""
     mask, sup, q, drafts, need, tk = _inputs(sampled_mask, support_ids, proposal_q, draft_ids,
                                              needed, top_ks)
-    _, ok = _pass_92(mask, sup, q, drafts, need, vocab_size, tk, member=True)
+    w = scratch or Scratch()
+    _, ok = _pass_92(mask, sup, q, drafts, need, vocab_size, tk, True, w)
     if not ok:
-        _raise_first(mask, sup, q, drafts, need, vocab_size, tk)
+        _raise_first(mask, sup, q, drafts, need, vocab_size, tk, w)
 
 
 def check_reply(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
                 draft_ids: ArrayLike, needed: ArrayLike, vocab_size: int, top_ks: ArrayLike,
-                seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike) -> None:
+                seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike, *,
+                scratch: Scratch | None = None) -> None:
     """``validate`` then ``check_draws`` in one pass, what the client runs on every sampled
     reply: the same verdict and the same first offender as the two in turn, for about the cost
     of ``validate`` (the running sum of q serves both, and a draft that re-derives is a used
     support id, so 9.2's membership test is left to the draw)."""
     mask, sup, q, drafts, need, tk = _inputs(sampled_mask, support_ids, proposal_q, draft_ids,
                                              needed, top_ks)
-    s, ok = _pass_92(mask, sup, q, drafts, need, vocab_size, tk, member=False)
+    w = scratch or Scratch()
+    s, ok = _pass_92(mask, sup, q, drafts, need, vocab_size, tk, False, w)
     if not ok:
-        _raise_first(mask, sup, q, drafts, need, vocab_size, tk)
+        _raise_first(mask, sup, q, drafts, need, vocab_size, tk, w)
     if not s.drafted.any():
         return
     u, pos = _uniforms(seeds, generations, anchor_pos, *drafts.shape)
@@ -361,9 +362,9 @@ def check_reply(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
     if not bad.size:
         return
     # A draft outside its support fails 9.2, which comes first: name that one if any.
-    outside = bad[~_members(s.ids, s.q != 0, s.d, s.M)[bad]]
+    outside = bad[~_members(s.ids, s.q != 0, s.d, s.M, w)[bad]]
     if outside.size:
-        _raise_first(mask, sup, q, drafts, need, vocab_size, tk)
+        _raise_first(mask, sup, q, drafts, need, vocab_size, tk, w)
     _raise_draw(int(bad[0]), s.N, drafts, expect, u, pos, seeds, generations)
 
 
@@ -389,16 +390,16 @@ def _raise_draw(at: int, N: int, drafts: Any, expect: Any, u: Any, pos: Any, see
 
 def check_draws(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
                 draft_ids: ArrayLike, seeds: ArrayLike, generations: ArrayLike,
-                anchor_pos: ArrayLike) -> None:
+                anchor_pos: ArrayLike, *, scratch: Scratch | None = None) -> None:
     """Re-derive every drafted position's draw (9.3) and refuse a reply whose draft differs.
     Run after ``validate``. Position j of entry i is the token at ``anchor_pos[i] + j + 1``.
     One running sum of q over the whole reply and one binary search for all positions
-    (``_Scan.draw_places``)."""
+    (``_Scan.draws``)."""
     mask = np.asarray(sampled_mask).astype(bool)
     drafts = np.asarray(draft_ids)
     n, N = drafts.shape
     ids, q, _ = _wire_arrays(support_ids, proposal_q, 1 << 31)
-    s = _Scan(ids, q, drafts.reshape(-1), N)
+    s = _Scan(ids, q, drafts.reshape(-1), N, scratch or Scratch())
     s.drafted = (s.T > 0) & np.repeat(mask, N)
     if not s.drafted.any():
         return
@@ -410,7 +411,7 @@ def check_draws(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
 
 
 def _raise_first(mask: Any, sup: Any, q: Any, drafts: Any, need: Any, vocab_size: int,
-                 tk: Any) -> None:
+                 tk: Any, w: Scratch) -> None:
     """Name the first offender of section 9.2 (the failure path only: the one pass has refused
     the reply). The rules hold entry by entry, so whether the first k entries pass is monotone
     in k: a binary search with the one pass finds the first failing entry, and ``_explain``
@@ -419,7 +420,7 @@ def _raise_first(mask: Any, sup: Any, q: Any, drafts: Any, need: Any, vocab_size
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if _pass_92(mask[:mid], sup[:mid], q[:mid], drafts[:mid], need[:mid], vocab_size,
-                    tk[:mid], member=True)[1]:
+                    tk[:mid], True, w)[1]:
             lo = mid
         else:
             hi = mid

@@ -99,9 +99,13 @@ def test_the_seed_validate_call_matches_protocol_sampled_validate() -> None:
              and isinstance(node.func, ast.Name) and node.func.id == "validate"]
     assert len(calls) == 1
     assert len(calls[0].args) == 7 and calls[0].keywords == []
-    params = list(inspect.signature(sampled.validate).parameters)
+    sig = inspect.signature(sampled.validate).parameters.values()
+    params = [p.name for p in sig if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert params == ["sampled_mask", "support_ids", "proposal_q", "draft_ids", "needed",
                       "vocab_size", "top_ks"]
+    # anything added since is keyword-only with a default: the seed's call stays valid
+    assert all(p.kind is p.KEYWORD_ONLY and p.default is not p.empty
+               for p in sig if p.name not in params)
 
 
 def test_the_seed_check_reply_values_has_the_same_signature() -> None:
