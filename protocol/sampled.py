@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
@@ -180,6 +181,16 @@ class _Scan:
         np.minimum(at, self.C.size - 1, out=at)
         return self.ids[at]
 
+    def bad_draws(self, seeds: ArrayLike, generations: ArrayLike,
+                  anchor_pos: ArrayLike) -> tuple[Any, Any, Any, Any]:
+        """The drafted positions (flat) whose draft is not their draw, ascending; with every
+        position's drawn id, u and token position, for the message."""
+        if not self.drafted.any():
+            return np.zeros(0, np.int64), None, None, None
+        u, pos = _uniforms(seeds, generations, anchor_pos, self.M // self.N, self.N)
+        expect = self.draws(u)
+        return np.flatnonzero((expect != self.d) & self.drafted), expect, u, pos
+
 
 def _wire_arrays(support_ids: Any, proposal_q: Any, vocab_size: int) -> tuple[Any, Any, bool]:
     """Flat int32 ids and uint32 q, as the wire carries them. Other integer arrays are taken
@@ -332,12 +343,8 @@ def validate(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayL
 
     One vectorised pass decides (``_pass_92``); only on failure does the rule-by-rule reading
     of ``_explain`` name the first offender."""
-    mask, sup, q, drafts, need, tk = _inputs(sampled_mask, support_ids, proposal_q, draft_ids,
-                                             needed, top_ks)
-    w = scratch or Scratch()
-    _, ok = _pass_92(mask, sup, q, drafts, need, vocab_size, tk, True, w)
-    if not ok:
-        _raise_first(mask, sup, q, drafts, need, vocab_size, tk, w)
+    _checked_92(sampled_mask, support_ids, proposal_q, draft_ids, needed, vocab_size, top_ks,
+                True, scratch or Scratch())
 
 
 def check_reply(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
@@ -348,24 +355,33 @@ def check_reply(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
     reply: the same verdict and the same first offender as the two in turn, for about the cost
     of ``validate`` (the running sum of q serves both, and a draft that re-derives is a used
     support id, so 9.2's membership test is left to the draw)."""
-    mask, sup, q, drafts, need, tk = _inputs(sampled_mask, support_ids, proposal_q, draft_ids,
-                                             needed, top_ks)
     w = scratch or Scratch()
-    s, ok = _pass_92(mask, sup, q, drafts, need, vocab_size, tk, False, w)
-    if not ok:
-        _raise_first(mask, sup, q, drafts, need, vocab_size, tk, w)
-    if not s.drafted.any():
-        return
-    u, pos = _uniforms(seeds, generations, anchor_pos, *drafts.shape)
-    expect = s.draws(u)
-    bad = np.flatnonzero((expect != s.d) & s.drafted)
+    s, refuse_92 = _checked_92(sampled_mask, support_ids, proposal_q, draft_ids, needed,
+                               vocab_size, top_ks, False, w)
+    bad, expect, u, pos = s.bad_draws(seeds, generations, anchor_pos)
     if not bad.size:
         return
     # A draft outside its support fails 9.2, which comes first: name that one if any.
-    outside = bad[~_members(s.ids, s.q != 0, s.d, s.M, w)[bad]]
-    if outside.size:
+    if not _members(s.ids, s.q != 0, s.d, s.M, w)[bad].all():
+        refuse_92()
+    _raise_draw(int(bad[0]), s.N, s.d, expect, u, pos, seeds, generations)
+
+
+def _checked_92(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
+                draft_ids: ArrayLike, needed: ArrayLike, vocab_size: int, top_ks: ArrayLike,
+                member: bool, w: Scratch) -> tuple[_Scan, Callable[[], None]]:
+    """Section 9.2 decided by the one pass, the first offender named when it fails; the scan,
+    and what names the first offender should a later check find one."""
+    mask, sup, q, drafts, need, tk = _inputs(sampled_mask, support_ids, proposal_q, draft_ids,
+                                             needed, top_ks)
+    s, ok = _pass_92(mask, sup, q, drafts, need, vocab_size, tk, member, w)
+
+    def refuse() -> None:
         _raise_first(mask, sup, q, drafts, need, vocab_size, tk, w)
-    _raise_draw(int(bad[0]), s.N, drafts, expect, u, pos, seeds, generations)
+
+    if not ok:
+        refuse()
+    return s, refuse
 
 
 def _uniforms(seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike, n: int,
@@ -377,15 +393,14 @@ def _uniforms(seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike, n
     return u.reshape(-1).astype(np.int64), pos
 
 
-def _raise_draw(at: int, N: int, drafts: Any, expect: Any, u: Any, pos: Any, seeds: ArrayLike,
+def _raise_draw(at: int, N: int, d: Any, expect: Any, u: Any, pos: Any, seeds: ArrayLike,
                 generations: ArrayLike) -> None:
     i, j = divmod(at, N)
     raise ReplyValueError(
-        f"entry {i} position {j}: draft id {int(drafts[i, j])} is not the draw"
+        f"entry {i} position {j}: draft id {int(d[at])} is not the draw"
         f" {int(expect[at])} of seed {int(np.asarray(seeds)[i])}, generation"
         f" {int(np.asarray(generations)[i])}, position {int(pos[i, j])} (u {int(u[at])})",
-        entry=i, position=j, field="draft_ids", value=int(drafts[i, j]),
-        limit=int(expect[at]))
+        entry=i, position=j, field="draft_ids", value=int(d[at]), limit=int(expect[at]))
 
 
 def check_draws(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
@@ -396,18 +411,13 @@ def check_draws(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
     One running sum of q over the whole reply and one binary search for all positions
     (``_Scan.draws``)."""
     mask = np.asarray(sampled_mask).astype(bool)
-    drafts = np.asarray(draft_ids)
-    n, N = drafts.shape
+    N = np.asarray(draft_ids).shape[1]
     ids, q, _ = _wire_arrays(support_ids, proposal_q, 1 << 31)
-    s = _Scan(ids, q, drafts.reshape(-1), N, scratch or Scratch())
+    s = _Scan(ids, q, np.asarray(draft_ids).reshape(-1), N, scratch or Scratch())
     s.drafted = (s.T > 0) & np.repeat(mask, N)
-    if not s.drafted.any():
-        return
-    u, pos = _uniforms(seeds, generations, anchor_pos, n, N)
-    expect = s.draws(u)
-    bad = np.flatnonzero((expect != s.d) & s.drafted)
+    bad, expect, u, pos = s.bad_draws(seeds, generations, anchor_pos)
     if bad.size:
-        _raise_draw(int(bad[0]), N, drafts, expect, u, pos, seeds, generations)
+        _raise_draw(int(bad[0]), N, s.d, expect, u, pos, seeds, generations)
 
 
 def _raise_first(mask: Any, sup: Any, q: Any, drafts: Any, need: Any, vocab_size: int,
