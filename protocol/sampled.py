@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,9 @@ _MIX2: Final = np.uint64(0x94D049BB133111EB)
 _U32: Final = np.uint64(0xFFFFFFFF)
 _ONE, _27, _30, _31, _32 = (np.uint64(x) for x in (1, 27, 30, 31, 32))
 _SHIFT: Final = np.uint64(64 - Q_BITS)
+_BYTES: Final = np.uint64(0x0101010101010101)  # a word times this: its bytes' sum, top byte
+_56: Final = np.uint64(56)
+_FIVE: Final = np.uint32(5)
 
 ArrayLike = Any
 
@@ -113,14 +116,23 @@ def draw_u(seed: ArrayLike, generation: ArrayLike, position: ArrayLike) -> npt.N
     p = np.asarray(position, dtype=np.uint64) & _U32
     with np.errstate(over="ignore"):
         # (counter + 1) * golden = ((g << 32) + 1) * golden + p * golden, all mod 2**64
-        z = (s + ((g << _32) + _ONE) * _GOLDEN) + p * _GOLDEN
-        z ^= z >> _30
-        z *= _MIX1
-        z ^= z >> _27
-        z *= _MIX2
-        z ^= z >> _31
-        z >>= _SHIFT
-    return np.asarray(z).astype(np.uint32)
+        z = np.array((s + ((g << _32) + _ONE) * _GOLDEN) + p * _GOLDEN, dtype=np.uint64, ndmin=1)
+        _mix(z, np.empty_like(z))
+    return z.reshape(np.broadcast_shapes(s.shape, g.shape, p.shape)).astype(np.uint32)
+
+
+def _mix(z: Any, t: Any) -> Any:
+    """SplitMix64's output function in place on the states z (uint64; t a scratch array of
+    the same shape), keeping the top 24 bits: z. Its last step, ``z ^= z >> 31``, changes no
+    bit above bit 32, so it is left out."""
+    np.right_shift(z, _30, out=t)
+    z ^= t
+    z *= _MIX1
+    np.right_shift(z, _27, out=t)
+    z ^= t
+    z *= _MIX2
+    z >>= _SHIFT
+    return z
 
 
 def draw(support_ids: ArrayLike, q: ArrayLike, u: ArrayLike) -> npt.NDArray[np.int32]:
@@ -136,60 +148,178 @@ def draw(support_ids: ArrayLike, q: ArrayLike, u: ArrayLike) -> npt.NDArray[np.i
 
 
 class Scratch:
-    """Scratch arrays of the checks, grown to the largest reply seen and reused: hand one to
-    ``validate`` / ``check_draws`` / ``check_reply`` on a hot path (the client keeps one; it
-    checks replies on the engine thread only). A reply of 256 entries x N = 7 makes temporaries
-    of 57,344 places (458 KB for the running sum); allocated afresh on every call, the
-    allocator's mapping and unmapping of them doubled the cost or not depending on the heap's
-    state. Not to be shared between threads. Without one, each call allocates its own."""
+    """Scratch arrays of the checks, kept between calls: hand one to ``validate`` /
+    ``check_draws`` / ``check_reply`` on a hot path (the client keeps one; it checks replies on
+    the engine thread only). A reply of 256 entries x N = 7 makes temporaries of up to 57,344
+    places; allocated afresh on every call, the allocator's mapping and unmapping of them
+    doubled the cost or not depending on the heap's state. The arrays of one reply shape are
+    made once (``_Plan``), few and reused from one rule to the next, so that what the checks
+    touch stays in the core's cache beside the reply. Not to be shared between threads.
+    Without one, each call allocates its own."""
 
     def __init__(self) -> None:
         self.bufs: dict[str, Any] = {}
+        self.plans: dict[tuple[int, int, int], _Plan] = {}
 
     def get(self, name: str, dtype: Any, size: int) -> Any:
         buf = self.bufs.get(name)
-        if buf is None or buf.size < size:
+        if buf is None or buf.size < size or buf.dtype != dtype:
             buf = self.bufs[name] = np.empty(max(size, 1024), dtype)
         return buf[:size]
 
+    def plan(self, n: int, N: int, W: int) -> _Plan:
+        p = self.plans.get((n, N, W))
+        if p is None:
+            if len(self.plans) >= 4:  # an engine sees a few shapes; a stranger's are not kept
+                self.plans.clear()
+            p = self.plans[(n, N, W)] = _Plan(n, N, W)
+        return p
+
+
+def _halves(W: int) -> np.dtype[Any]:
+    """A support row (MAX_TOP_K 4-byte places) as two opaque fields: its first W places and
+    the rest. Copying a field is one memcpy per row, several times faster than copying W
+    strided integers."""
+    dt = _HALVES.get(W)
+    if dt is None:
+        dt = _HALVES[W] = np.dtype({
+            "names": ["head", "rest"], "formats": [f"V{4 * W}", f"V{4 * (MAX_TOP_K - W)}"],
+            "offsets": [0, 4 * W], "itemsize": 4 * MAX_TOP_K})
+    return dt
+
+
+_HALVES: dict[int, np.dtype[Any]] = {}
+
+
+class _Plan:
+    """The arrays the checks of one reply shape use (n entries of N positions, W places read
+    of each, M = n * N positions, P = M * W places), made once. When W < MAX_TOP_K, ``ids`` and
+    ``q`` hold copies of each position's first W places; ``q`` then becomes the running sum
+    in place. ``work`` serves one rule after another: the rest of each row, the draws'
+    differences, the sort keys."""
+
+    def __init__(self, n: int, N: int, W: int) -> None:
+        M = n * N
+        P = M * W
+        self.M, self.W = M, W
+        self.G = G = max(1, 256 // W)  # positions sorted together: rows of about 256 keys
+        self.Mp = -(-M // G) * G
+        if W < MAX_TOP_K:
+            halves = _halves(W)
+            self.halves = halves
+            self.ids_h = np.empty(M, halves["head"])
+            self.q_h = np.empty(M, halves["head"])
+            self.rest = np.empty(M, halves["rest"])
+            self.rest_u = self.rest.view(np.uint32)
+            self.ids = self.ids_h.view(np.int32)
+            self.q = self.q_h.view(np.uint32)
+        else:
+            self.q = np.empty(P, np.uint32)
+        self.used = np.empty(P, bool)
+        self.nz = np.empty(P, bool)
+        self.t1 = np.empty(self.Mp * W, bool)  # the sort's neighbours need Mp * W - 1
+        self.t1P = self.t1[:P]
+        self.work = np.empty(self.Mp * W, np.uint32)
+        self.acc = np.empty(M, np.uint64)
+        self.starts = np.arange(0, P, W, dtype=np.int64)
+        self.base = np.empty(M, np.uint32)
+        self.z = np.empty((n, N), np.uint64)
+        self.zt = np.empty(M, np.uint64)
+        self.u = np.empty(M, np.uint32)
+        self.steps = np.arange(1, N + 1, dtype=np.uint64) * _GOLDEN
+        self.stamps: dict[int, tuple[Any, Any]] = {}
+
+    def patterns(self, b: int, dt: Any) -> tuple[Any, Any]:
+        """For one row of G * W sort keys: ``A = stamp + place`` (an unused place's key, with
+        ``stamp = (position % G) << b``) and ``W - place`` (what a used place adds)."""
+        got = self.stamps.get(b)
+        if got is None:
+            k = np.arange(self.G * self.W, dtype=dt)
+            place = k % self.W
+            got = self.stamps[b] = (((k // self.W) << dt(b)) + place, self.W - place)
+        return got
+
 
 class _Scan:
-    """What the one pass of section 9.2 leaves for 9.3: ids and q flat (``[M * K]``, M = n * N
-    positions, K = MAX_TOP_K), q's running sum over the whole reply (non-decreasing: q is
-    unsigned), each position's q total and whether it is drafted."""
+    """What the one pass of section 9.2 leaves for 9.3, over each position's first W places
+    (W: the largest top_k rounded up to 8; every later place was checked to be 0): ids
+    ``[M * W]`` (M = n * N positions), the running sum C of q over the whole reply, the sum
+    before each position, which places are used, the drafts, and which positions are drafted.
+    In the one pass C is uint32, every q having been checked to be at most 2**24: its
+    wrapping differences are then exact (a position's places sum to at most 32 * 2**24 <
+    2**32); ``check_draws``, which reads q unchecked, sums in int64."""
 
-    __slots__ = ("C", "K", "M", "N", "T", "base", "d", "drafted", "ids", "q")
+    __slots__ = ("C", "M", "N", "W", "base", "d", "drafted", "ids", "plan", "used")
 
-    def __init__(self, ids: Any, q: Any, d: Any, N: int, w: Scratch) -> None:
-        self.ids, self.q, self.d, self.N = ids, q, d, N
-        self.K = K = MAX_TOP_K
+    def __init__(self, d: Any, N: int, W: int, plan: _Plan | None = None) -> None:
+        self.d, self.N, self.W, self.plan = d, N, W, plan
         self.M = d.size
-        self.C = np.cumsum(q, dtype=np.int64, out=w.get("C", np.int64, q.size))
-        ends = self.C[K - 1::K]
-        self.base = np.empty_like(ends)  # the running sum before each position
-        self.base[:1] = 0
-        self.base[1:] = ends[:-1]
-        self.T = ends - self.base  # each position's q total
-        self.drafted: Any = None
+        self.drafted: Any = np.zeros(self.M, bool)
+        self.ids: Any = None
+        self.used: Any = None
+        self.C: Any = None
+        self.base: Any = None
 
-    def draws(self, u: Any) -> Any:
-        """Per position the id at its draw: the first place whose running sum exceeds u, found
-        by one binary search over the reply's running sum for all positions at once (a drafted
-        position's sum rises from its base to base + 2**24 > u within its own K places). Only
-        drafted positions of a reply that passed 9.2 get a meaningful id."""
-        at = np.searchsorted(self.C, self.base + u, side="right")
-        np.minimum(at, self.C.size - 1, out=at)
-        return self.ids[at]
+    def sums(self, q: Any, out: Any, base: Any) -> Any:
+        """Set C (into ``out``, which may be q itself) and base from the flat q ``[M * W]``;
+        return each position's q total."""
+        self.C = np.cumsum(q, dtype=out.dtype, out=out)
+        ends = self.C[self.W - 1::self.W]
+        self.base = base
+        base[:1] = 0
+        base[1:] = ends[:-1]
+        return ends - base
 
-    def bad_draws(self, seeds: ArrayLike, generations: ArrayLike,
-                  anchor_pos: ArrayLike) -> tuple[Any, Any, Any, Any]:
+    def draws(self, u: Any, work: Any, below: Any, acc: Any, starts: Any) -> Any:
+        """Per position the id at its draw: the first place whose running sum exceeds u, i.e.
+        the number of places whose running sum within the position is at most u (sums that
+        never fall, since q is unsigned): places where ``C - (base + u) <= 0``, read as signed
+        (exact for uint32 C: the difference lies within +-2**29). Only drafted positions of a
+        reply that passed 9.2 get a meaningful id."""
+        M, W = self.M, self.W
+        limit = np.add(self.base, u, dtype=self.C.dtype, casting="unsafe")
+        over = np.subtract(self.C, np.repeat(limit, W), out=work)
+        signed = over.view(np.int32 if over.dtype == np.uint32 else np.int64)
+        place = _row_counts(np.less_equal(signed, 0, out=below).reshape(M, W), acc)
+        np.minimum(place, W - 1, out=place)
+        place += starts
+        return self.ids[place]
+
+    def bad_draws(self, seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike,
+                  w: Scratch) -> tuple[Any, Any, Any]:
         """The drafted positions (flat) whose draft is not their draw, ascending; with every
-        position's drawn id, u and token position, for the message."""
+        position's drawn id and u, for the message."""
         if not self.drafted.any():
-            return np.zeros(0, np.int64), None, None, None
-        u, pos = _uniforms(seeds, generations, anchor_pos, self.M // self.N, self.N)
-        expect = self.draws(u)
-        return np.flatnonzero((expect != self.d) & self.drafted), expect, u, pos
+            return np.zeros(0, np.int64), None, None
+        M, W = self.M, self.W
+        p = self.plan
+        if p is None:  # check_draws: arrays of its own
+            n = M // self.N
+            u = _uniforms(seeds, generations, anchor_pos, np.empty((n, self.N), np.uint64),
+                          np.empty(M, np.uint64), np.empty(M, np.uint32),
+                          _steps(self.N) * _GOLDEN)
+            expect = self.draws(u, w.get("work64", np.int64, M * W), w.get("t1", bool, M * W),
+                                np.empty(M, np.uint64), np.arange(0, M * W, W))
+        else:
+            u = _uniforms(seeds, generations, anchor_pos, p.z, p.zt, p.u, p.steps)
+            expect = self.draws(u, p.work[:M * W], p.t1P, p.acc, p.starts)
+        wrong = expect != self.d
+        wrong &= self.drafted
+        return np.flatnonzero(wrong), expect, u
+
+
+def _row_counts(marks: Any, acc: Any) -> Any:
+    """How many places of each row are marked (bool ``[M, W]``, W a multiple of 8, at most
+    255 marks a row), into ``acc`` (uint64 ``[M]``): the row's bytes read as W / 8 words,
+    added, and the word's bytes summed by one multiplication (each byte holds at most W / 8,
+    so no byte carries)."""
+    words = marks.view(np.uint64)
+    np.copyto(acc, words[:, 0])
+    for c in range(1, marks.shape[1] // 8):
+        acc += words[:, c]
+    acc *= _BYTES
+    acc >>= _56
+    return acc.view(np.int64)
 
 
 def _wire_arrays(support_ids: Any, proposal_q: Any, vocab_size: int) -> tuple[Any, Any, bool]:
@@ -208,7 +338,7 @@ def _wire_arrays(support_ids: Any, proposal_q: Any, vocab_size: int) -> tuple[An
         if q.size and (int(q.min()) < 0 or int(q.max()) > 0xFFFFFFFF):
             fits, q = False, np.zeros(q.shape, np.uint32)
         q = q.astype(np.uint32)
-    return ids.reshape(-1), q.reshape(-1), fits
+    return np.ascontiguousarray(ids).reshape(-1), np.ascontiguousarray(q).reshape(-1), fits
 
 
 def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: Any,
@@ -217,106 +347,134 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
     ``member``: also check that each draft is a support id with q > 0 (a draft that
     re-derives under 9.3 is one, so the combined check leaves it to the draw).
 
-    Every rule is an elementwise test over the flat places plus one reduction of the whole
-    reply, never one reduction per position (numpy pays per call, and a position has only 32
-    places):
+    Only the first W places of a position are read closely, W the largest top_k of a sampled
+    entry rounded up to 8: every later place must carry id 0 and q 0. Every rule is then an
+    elementwise test over those places plus one reduction of the whole reply, never one
+    reduction per position (numpy pays per call, and a position has few places):
 
-    * q total: one running sum, read at each position's end; the empty positions;
     * ids in [0, vocab_size): the largest id read as unsigned;
+    * q at most 2**24 anywhere (a larger q makes a total over 2**24): the running sum of q is
+      then exact in uint32;
     * an unused place (q 0) carries id 0;
     * canonical order: a pair of neighbouring places is suspect when the right one is used and
       q does not fall; only suspects (equal q: rare) are compared on ids;
+    * q total: the running sum read at each position's end; the empty positions;
     * top_k: with q non-increasing, the place at top_k must be unused;
-    * distinct ids: one sort of each position's first D places (D the largest top_k; past it
-      every place is unused), then equal non-zero neighbours, and id 0 used twice."""
+    * distinct ids: one sort of keys ``stamp + id``, about 256 to a row, the stamp telling
+      apart the positions of a row (``_repeats``)."""
     n, N = drafts.shape
     K = MAX_TOP_K
     M = n * N
-    sampled = mask == 1
-    if (((mask != 0) & ~sampled) | (sampled != (need & (tk > 0)))).any():
-        return _Scan(np.zeros(0, np.int32), np.zeros(0, np.uint32), np.zeros(0), N, w), False
+    d = drafts.reshape(-1)
+    sampled = need & (tk > 0)
+    if (mask != sampled).any():  # also any mask value but 0 and 1
+        return _Scan(d, N, 0), False
     ids, q, fits = _wire_arrays(support_ids, proposal_q, vocab_size)
-    s = _Scan(ids, q, drafts.reshape(-1), N, w)
-    full = s.T == Q_TOTAL
-    if sampled.all() and full.all():  # the usual reply: every position drafted
+    if not fits:
+        return _Scan(d, N, 0), False
+    D = min(K, int((tk * sampled).max())) if n else 0
+    W = min(K, (D + 7) & ~7)
+    if not M or not W:
+        return _Scan(d, N, W), not (q.any() or ids.any())
+    p = w.plan(n, N, W)
+    s = _Scan(d, N, W, p)
+    if W < K:  # contiguous copies of the places that matter; the rest must be 0
+        np.copyto(p.ids_h, ids.view(p.halves)["head"])
+        np.copyto(p.rest, ids.view(p.halves)["rest"])
+        if p.rest_u.max():
+            return s, False
+        np.copyto(p.q_h, q.view(p.halves)["head"])
+        np.copyto(p.rest, q.view(p.halves)["rest"])
+        if p.rest_u.max():
+            return s, False
+        s.ids, qf = p.ids, p.q
+    else:
+        s.ids, qf = ids, q
+    if int(s.ids.view(np.uint32).max()) >= min(vocab_size, 1 << 31) or int(qf.max()) > Q_TOTAL:
+        return s, False
+    s.used = used = np.not_equal(qf, 0, out=p.used)
+    nz = np.not_equal(s.ids, 0, out=p.nz)
+    if np.greater(nz, used, out=p.t1P).any():  # unused, id not 0
+        return s, False
+    cand = np.less_equal(qf[:-1], qf[1:], out=p.t1P[:-1])  # order: suspects
+    cand &= used[1:]
+    cand[W - 1::W] = False  # the last place of one position and the first of the next
+    if cand.any():
+        at = np.flatnonzero(cand)
+        if ((qf[at] < qf[at + 1]) | (s.ids[at] >= s.ids[at + 1])).any():
+            return s, False
+    if D > 1 and _repeats(s.ids, qf, p, vocab_size):
+        return s, False
+    T = s.sums(qf, p.q, p.base)  # over q's own copy when it has one (q is not read again)
+    full = T == Q_TOTAL
+    if full.all() and sampled.all():  # the usual reply: every position drafted
         s.drafted = full
     else:
         rows_s = np.repeat(sampled, N)
-        empty = s.T == 0
-        z = np.flatnonzero(empty)
-        if z.size:
-            empty[z] = ~ids.reshape(M, K)[z].any(axis=1)
-        s.drafted = rows_s & ~(empty & (s.d == 0))
+        empty = T == 0  # every place unused; their ids are 0 (above)
+        s.drafted = rows_s & ~(empty & (d == 0))
         if ((~rows_s & ~empty) | (s.drafted & ~full)).any():
             return s, False
-    if not fits or not M:
-        return s, fits
-    short = np.flatnonzero(sampled & (tk < K))
+    short = np.flatnonzero(sampled & (tk < W))
     if short.size:  # the place at top_k is unused (order then keeps every later one unused)
         at = (short * N)[:, None] + np.arange(N)
-        if q.reshape(M, K)[at, tk[short][:, None]].any():
+        if used.reshape(M, W)[at, tk[short][:, None]].any():
             return s, False
-    if int(ids.view(np.uint32).max()) >= vocab_size:
-        return s, False
-    used = np.not_equal(q, 0, out=w.get("used", bool, q.size))
-    nz = np.not_equal(ids, 0, out=w.get("nz", bool, q.size))
-    if np.greater(nz, used, out=w.get("t1", bool, q.size)).any():  # unused, id not 0
-        return s, False
-    if _out_of_order(ids, q, used, w):
-        return s, False
-    if sampled.any() and _repeats(ids, used, nz, M, min(K, int(tk[sampled].max())), w):
-        return s, False
-    if member and not (_members(ids, used, s.d, M, w) == s.drafted).all():
+    if member and not (_members(s.ids, used, d, p) == s.drafted).all():
         return s, False
     return s, True
 
 
-def _out_of_order(ids: Any, q: Any, used: Any, w: Scratch) -> bool:
-    """Is any pair of neighbouring places (p, p + 1) of one position out of canonical order:
-    q rises, or equal used q with ids not ascending?"""
-    K = MAX_TOP_K
-    cand = np.less_equal(q[:-1], q[1:], out=w.get("t1", bool, q.size - 1))
-    cand &= used[1:]
-    cand[K - 1::K] = False  # the last place of one position and the first of the next
-    if not cand.any():
-        return False
-    at = np.flatnonzero(cand)
-    return bool(((q[at] < q[at + 1]) | (ids[at] >= ids[at + 1])).any())
+def _repeats(ids: Any, q: Any, p: _Plan, vocab_size: int) -> bool:
+    """Does a used id appear twice at one position? Every place gets a key: a used one
+    ``stamp + W + id``, an unused one ``stamp + place``, so that unused places never match;
+    ``stamp = (position % G) << b`` (ids below ``2**b - W``) tells apart the G positions whose
+    keys are sorted together in one row of G * W keys (about 256: numpy sorts such rows
+    several times faster per key than rows of 16 or 32). A repeat is then an equal pair of
+    neighbours within a row. The keys are ``A + (W - place if q > 0 else 0) + id`` with
+    ``A = stamp + place``: four passes of 4-byte integers (``_keys``)."""
+    M, W, G = p.M, p.W, p.G
+    b = (min(vocab_size, 1 << 31) - 1 + W).bit_length()
+    dt: Any = np.uint32
+    if G << b <= 1 << 31:
+        keys = p.work.view(np.uint32)
+    else:  # ids too wide for a stamp in 32 bits
+        keys = np.empty(p.Mp * W, np.uint64)
+        dt = np.uint64
+    A, step = p.patterns(b, dt)
+    full = M // G * G * W
+    _keys(keys[:full], q[:full], ids[:full], A, step)
+    if full < M * W:  # the last row: the remaining positions, then unused places
+        rest = M * W - full
+        keys[full:] = A
+        _keys(keys[full:full + rest], q[full:], ids[full:], A[:rest], step[:rest])
+    rows = keys.view(np.int32 if dt == np.uint32 else np.int64).reshape(-1, G * W)
+    rows.sort(axis=1)
+    eq = np.equal(keys[1:], keys[:-1], out=p.t1[:keys.size - 1])
+    eq[G * W - 1::G * W] = False  # the last key of one row and the first of the next
+    return bool(eq.any())
 
 
-def _repeats(ids: Any, used: Any, nz: Any, M: int, D: int, w: Scratch) -> bool:
-    """Does a used id appear twice at one position? Unused places carry id 0 and, past the
-    first D, every place is unused; so after sorting each position's first D ids, a repeat is
-    an equal non-zero neighbour, or id 0 used at two places."""
-    K = MAX_TOP_K
-    if D <= 1:
-        return False
-    srt = w.get("srt", np.int32, M * D).reshape(M, D)
-    np.copyto(srt, ids.reshape(M, K)[:, :D])
-    srt.sort(axis=1)
-    srt = srt.reshape(-1)
-    dup = np.equal(srt[1:], srt[:-1], out=w.get("t1", bool, srt.size - 1))
-    dup &= np.not_equal(srt[1:], 0, out=w.get("t2", bool, srt.size - 1))
-    dup[D - 1::D] = False  # the last place of one position and the first of the next
-    if dup.any():
-        return True
-    zero_used = np.greater(used, nz, out=w.get("t1", bool, used.size))
-    if not zero_used.any():
-        return False
-    rows = np.flatnonzero(zero_used) // K  # ascending: a repeat is two equal neighbours
-    return bool((rows[1:] == rows[:-1]).any())
+def _keys(out: Any, q: Any, ids: Any, A: Any, step: Any) -> None:
+    """``out = A + min(q << 5, step) + id`` over rows of len(A) places (A and step one row):
+    ``step`` where q > 0 (q at most 2**24, step at most 32), else 0. (``minimum`` with a
+    scalar runs four times slower than with an array.)"""
+    if not out.size:
+        return
+    rows = out.reshape(-1, A.size)
+    np.left_shift(q, _FIVE, out=out, casting="unsafe")
+    np.minimum(rows, step, out=rows)
+    out += ids.view(np.uint32)
+    np.add(rows, A, out=rows)
 
 
-def _members(ids: Any, used: Any, d: Any, M: int, w: Scratch) -> Any:
+def _members(ids: Any, used: Any, d: Any, p: _Plan) -> Any:
     """Per position: is its draft id one of its used support ids? Used ids are distinct (the
     distinctness rule runs first), so a position matches at one place or none."""
-    K = MAX_TOP_K
-    hit = np.equal(ids.reshape(M, K), d[:, None],
-                   out=w.get("t2", bool, M * K).reshape(M, K)).reshape(-1)
-    hit &= used
-    out = np.zeros(M, bool)
-    out[np.flatnonzero(hit) // K] = True
-    return out
+    M, W = p.M, p.W
+    hit = np.equal(ids.reshape(M, W), d[:, None], out=p.t1P.reshape(M, W))
+    hit &= used.reshape(M, W)
+    return _row_counts(hit, p.acc) != 0
 
 
 def _inputs(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
@@ -358,13 +516,13 @@ def check_reply(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
     w = scratch or Scratch()
     s, refuse_92 = _checked_92(sampled_mask, support_ids, proposal_q, draft_ids, needed,
                                vocab_size, top_ks, False, w)
-    bad, expect, u, pos = s.bad_draws(seeds, generations, anchor_pos)
+    bad, expect, u = s.bad_draws(seeds, generations, anchor_pos, w)
     if not bad.size:
         return
     # A draft outside its support fails 9.2, which comes first: name that one if any.
-    if not _members(s.ids, s.q != 0, s.d, s.M, w)[bad].all():
+    if not _members(s.ids, s.used, s.d, cast(_Plan, s.plan))[bad].all():  # drafted: planned
         refuse_92()
-    _raise_draw(int(bad[0]), s.N, s.d, expect, u, pos, seeds, generations)
+    _raise_draw(int(bad[0]), s.N, s.d, expect, u, seeds, generations, anchor_pos)
 
 
 def _checked_92(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
@@ -384,22 +542,46 @@ def _checked_92(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
     return s, refuse
 
 
-def _uniforms(seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike, n: int,
-              N: int) -> tuple[Any, Any]:
-    """u of every position, flat ``[n * N]`` int64, and the positions ``[n, N]``."""
-    pos = np.asarray(anchor_pos, dtype=np.int64)[:, None] + 1 + np.arange(N)[None, :]
-    u = draw_u(np.asarray(seeds, dtype=np.uint64)[:, None],
-               np.asarray(generations, dtype=np.uint64)[:, None], pos)
-    return u.reshape(-1).astype(np.int64), pos
+def _uniforms(seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike, z: Any, zt: Any,
+              u: Any, steps_g: Any) -> Any:
+    """u of every position into ``u`` (flat ``[n * N]`` uint32; z ``[n, N]`` and zt ``[n * N]``
+    uint64 scratch, steps_g ``(j + 1) * golden`` for j < N): ``draw_u`` of entry i's seed and
+    generation at positions ``anchor_pos[i] + 1 .. anchor_pos[i] + N``. The state is
+    ``seed + ((generation << 32) + 1 + position) * golden``; its per-entry part
+    ``c = seed + ((generation << 32) + 1 + anchor_pos) * golden`` is computed once, so each
+    position costs one addition before the mix (unless a position passes 2**32 - 1, where the
+    counter's low half wraps: then position by position)."""
+    n, N = z.shape
+    a = np.asarray(anchor_pos).astype(np.uint64).reshape(-1)
+    g = np.asarray(generations, dtype=np.uint64).reshape(-1) & _U32
+    s = np.asarray(seeds, dtype=np.uint64).reshape(-1)
+    if n and int(a.max()) + N > 0xFFFFFFFF:
+        np.add(a[:, None], _steps(N), out=z)
+        z &= _U32
+        z *= _GOLDEN
+        z += (s + ((g << _32) + _ONE) * _GOLDEN)[:, None]
+    else:
+        c = (g << _32) + a
+        c += _ONE
+        c *= _GOLDEN
+        c += s
+        np.add(c[:, None], steps_g, out=z)
+    np.copyto(u, _mix(z.reshape(-1), zt), casting="unsafe")
+    return u
 
 
-def _raise_draw(at: int, N: int, d: Any, expect: Any, u: Any, pos: Any, seeds: ArrayLike,
-                generations: ArrayLike) -> None:
+def _steps(N: int) -> Any:
+    return np.arange(1, N + 1, dtype=np.uint64)
+
+
+def _raise_draw(at: int, N: int, d: Any, expect: Any, u: Any, seeds: ArrayLike,
+                generations: ArrayLike, anchor_pos: ArrayLike) -> None:
     i, j = divmod(at, N)
     raise ReplyValueError(
         f"entry {i} position {j}: draft id {int(d[at])} is not the draw"
         f" {int(expect[at])} of seed {int(np.asarray(seeds)[i])}, generation"
-        f" {int(np.asarray(generations)[i])}, position {int(pos[i, j])} (u {int(u[at])})",
+        f" {int(np.asarray(generations)[i])}, position"
+        f" {int(np.asarray(anchor_pos)[i]) + j + 1} (u {int(u[at])})",
         entry=i, position=j, field="draft_ids", value=int(d[at]), limit=int(expect[at]))
 
 
@@ -408,16 +590,20 @@ def check_draws(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
                 anchor_pos: ArrayLike, *, scratch: Scratch | None = None) -> None:
     """Re-derive every drafted position's draw (9.3) and refuse a reply whose draft differs.
     Run after ``validate``. Position j of entry i is the token at ``anchor_pos[i] + j + 1``.
-    One running sum of q over the whole reply and one binary search for all positions
-    (``_Scan.draws``)."""
+    One running sum of q over the whole reply (int64: q is not yet known to be in range)
+    gives every position's draw at once (``_Scan.draws``)."""
+    w = scratch or Scratch()
     mask = np.asarray(sampled_mask).astype(bool)
-    N = np.asarray(draft_ids).shape[1]
+    drafts = np.asarray(draft_ids)
+    N = drafts.shape[1]
     ids, q, _ = _wire_arrays(support_ids, proposal_q, 1 << 31)
-    s = _Scan(ids, q, np.asarray(draft_ids).reshape(-1), N, scratch or Scratch())
-    s.drafted = (s.T > 0) & np.repeat(mask, N)
-    bad, expect, u, pos = s.bad_draws(seeds, generations, anchor_pos)
+    s = _Scan(drafts.reshape(-1), N, MAX_TOP_K)
+    s.ids = ids
+    T = s.sums(q, w.get("C64", np.int64, q.size), np.empty(s.M, np.int64))
+    s.drafted = (T > 0) & np.repeat(mask, N)
+    bad, expect, u = s.bad_draws(seeds, generations, anchor_pos, w)
     if bad.size:
-        _raise_draw(int(bad[0]), N, s.d, expect, u, pos, seeds, generations)
+        _raise_draw(int(bad[0]), N, s.d, expect, u, seeds, generations, anchor_pos)
 
 
 def _raise_first(mask: Any, sup: Any, q: Any, drafts: Any, need: Any, vocab_size: int,
@@ -427,10 +613,11 @@ def _raise_first(mask: Any, sup: Any, q: Any, drafts: Any, need: Any, vocab_size
     in k: a binary search with the one pass finds the first failing entry, and ``_explain``
     reads that entry rule by rule."""
     lo, hi = 0, drafts.shape[0]  # entries [0, lo) pass, [0, hi) do not
+    search = Scratch()  # its shapes are not kept in the caller's scratch
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if _pass_92(mask[:mid], sup[:mid], q[:mid], drafts[:mid], need[:mid], vocab_size,
-                    tk[:mid], True, w)[1]:
+                    tk[:mid], True, search)[1]:
             lo = mid
         else:
             hi = mid
