@@ -10,6 +10,7 @@ the reply. Run:
     python bench/bench_client.py            # table
     python bench/bench_client.py --json     # machine-readable
     python bench/bench_client.py --quick    # fewer iterations (CI smoke)
+    python bench/bench_client.py --rtt-us 0 # without the round-trip column
 
 Target (issue): <= 100 us per step() at 256 entries, N = 7, greedy.
 """
@@ -44,11 +45,18 @@ _SEQ = struct.Struct("<Q")
 
 
 class StubTransport:
-    """Answers HELLO with a fixed HelloReply and every STEP with one precomputed reply."""
+    """Answers HELLO with a fixed HelloReply, every STEP with one precomputed reply (copied
+    into the client's buffer with one memcpy, as a socket's ``recv_into`` copies it out of the
+    kernel) and anything else with an empty body. Like the socket transport it runs the
+    client's ``while_waiting`` once the request is "sent"; with ``rtt_us`` it then waits
+    (spinning) until that long after the send before it answers, a round trip's stand-in."""
+
+    runs_while_waiting = True
 
     def __init__(self, hello_reply: bytes) -> None:
         self.hello_reply = hello_reply
         self.step_reply = b""
+        self.rtt_us = 0.0
 
     def connect(self, timeout: float) -> None:
         pass
@@ -56,15 +64,24 @@ class StubTransport:
     def request(self, msg: Any, buf: bytearray, timeout: float) -> int:
         return self.request_parts((msg,), buf, timeout)
 
-    def request_parts(self, parts: Any, buf: bytearray, timeout: float) -> int:
+    def request_parts(self, parts: Any, buf: bytearray, timeout: float, fds: Any = (),
+                      while_waiting: Callable[[], None] | None = None) -> int:
+        sent_at = time.perf_counter()
+        if while_waiting is not None:
+            while_waiting()
+        if self.rtt_us:
+            until = sent_at + self.rtt_us * 1e-6
+            while time.perf_counter() < until:
+                pass
         head = parts[0]
         h = wire.AppHeader.unpack(head)
-        if h.op == wire.OP_HELLO:
-            out = wire.frame(h.op, h.seq, h.session, self.hello_reply)
+        if h.op != wire.OP_STEP:  # HELLO, and GOODBYE when the client closes
+            out = wire.frame(h.op, h.seq, h.session,
+                             self.hello_reply if h.op == wire.OP_HELLO else b"")
             buf[:len(out)] = out
             return len(out)
         n = len(self.step_reply)
-        buf[:n] = self.step_reply
+        memoryview(buf)[:n] = self.step_reply  # one memcpy, as recv_into's copy out of the kernel
         _SEQ.pack_into(buf, 16, h.seq)  # echo the seq, as the worker would
         return n
 
@@ -142,7 +159,7 @@ def timeit(fn: Callable[[], Any], seconds: float, min_iters: int = 50) -> dict[s
             "min_us": times[0], "iters": float(len(times))}
 
 
-def bench_step(n: int, sampled: bool, seconds: float) -> dict[str, Any]:
+def bench_step(n: int, sampled: bool, seconds: float, rtt_us: float = 0.0) -> dict[str, Any]:
     stub = StubTransport(hello_reply(max(n, 1)))
     cfg = RemoteConfig(endpoint="tcp://127.0.0.1:9", timeout_ms=1000)
     client = RemoteDraftClient(cfg, hello(max(n, 1), sampled), background=False,
@@ -155,6 +172,12 @@ def bench_step(n: int, sampled: bool, seconds: float) -> dict[str, Any]:
     out = client.step(buf, entries, n, 1, rows=rows)
     assert out.ok, (out.reason, client.stats.get("last_bad_reply"))
     res = timeit(lambda: client.step(buf, entries, n, 1, rows=rows), seconds)
+    if rtt_us:  # what step() adds to a round trip of rtt_us: its time less the round trip
+        stub.rtt_us = rtt_us
+        added = timeit(lambda: client.step(buf, entries, n, 1, rows=rows), seconds)
+        stub.rtt_us = 0.0
+        res["added_us"] = added["median_us"] - rtt_us
+        res["added_p90_us"] = added["p90_us"] - rtt_us
     # Parts, to say where the time goes.
     parts: dict[str, dict[str, float]] = {}
     parts["pack_step_prefix"] = timeit(lambda: wire.pack_step_prefix(
@@ -171,6 +194,9 @@ def bench_step(n: int, sampled: bool, seconds: float) -> dict[str, Any]:
         assert reply.proposal_q is not None
         needed = np.ones(n, bool)
         scratch = psampled.Scratch()
+        parts["sampled.ReplyCheck"] = timeit(lambda: psampled.ReplyCheck(
+            sent["seed"], sent["generation"], sent["anchor_pos"], sent["top_k"], N, VOCAB,
+            scratch=scratch), seconds / 4)
         parts["sampled.check_reply"] = timeit(lambda: psampled.check_reply(
             reply.sampled_mask, reply.support_ids, reply.proposal_q, reply.draft_ids, needed,
             VOCAB, sent["top_k"], sent["seed"], sent["generation"], sent["anchor_pos"],
@@ -238,13 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short runs (smoke test)")
     p.add_argument("--top-k", type=int, default=TOP_K,
                    help=f"top_k of the sampled entries (default {TOP_K}; 32 fills every place)")
+    p.add_argument("--rtt-us", type=float, default=500.0,
+                   help="also time step() against a stub that answers this long after the"
+                        " send, and report what step() adds to that round trip (0: not)")
     args = p.parse_args(argv)
     TOP_K = args.top_k
     seconds = 0.1 if args.quick else 1.0
     results = []
     for sampled in (False, True):
         for n in (1, 64, 256):
-            results.append(bench_step(n, sampled, seconds))
+            results.append(bench_step(n, sampled, seconds, args.rtt_us))
     for n in (1, 64, 256):
         results.append(bench_rounds(n, False, seconds))
     env = {"python": sys.version.split()[0], "numpy": np.__version__,
@@ -254,14 +283,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"client overhead, no network (python {env['python']}, numpy {env['numpy']},"
           f" {env['cpus']} cpus)")
-    print(f"{'what':<11} {'mode':<8} {'n':>4} {'median us':>10} {'p90 us':>9}  parts (median us)")
+    if args.rtt_us:
+        print(f"added: what step() adds to a {args.rtt_us:.0f} us round trip (its median less"
+              " the round trip; work on the request alone runs during it)")
+    print(f"{'what':<11} {'mode':<8} {'n':>4} {'median us':>10} {'p90 us':>9} {'added':>7}"
+          "  parts (median us)")
     for r in results:
         if "median_us" not in r:
             continue
         mode = "sampled" if r["sampled"] else "greedy"
         parts = ", ".join(f"{k} {v}" for k, v in r.get("parts", {}).items())
+        added = f"{r['added_us']:>7.1f}" if "added_us" in r else " " * 7
         print(f"{r['what']:<11} {mode:<8} {r['n']:>4} {r['median_us']:>10.1f}"
-              f" {r['p90_us']:>9.1f}  {parts}")
+              f" {r['p90_us']:>9.1f} {added}  {parts}")
     return 0
 
 

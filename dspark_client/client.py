@@ -55,7 +55,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -64,10 +64,9 @@ from protocol import wire
 from protocol.auth import sign_hello
 from protocol.constants import CAP_SHM_ROWS, STEP_HEADER_SIZE
 from protocol.messages import ENTRY_DTYPE, SampleMeta, reply_layout
-from protocol.sampled import Scratch
-from protocol.sampled import check_reply as check_sampled_reply
+from protocol.sampled import ReplyCheck, Scratch
 from protocol.shm import ROWS_ALIGN, set_rows_at
-from protocol.validate import check_reply_values
+from protocol.validate import ValuesAhead, check_reply_values
 
 from .config import RemoteConfig
 from .discovery import RESOLVE_RETRY_S, Discovery, Resolver, is_dns_endpoint
@@ -76,7 +75,14 @@ from .placement import Placement
 from .shm import ShmRegion, shm_available
 from .shm import attach as shm_attach
 from .stats import Stats
-from .transport import RpcClient, TransportError, TransportTimeout, make_client, parse_endpoint
+from .transport import (
+    RpcClient,
+    TransportError,
+    TransportTimeout,
+    WaitingRpcClient,
+    make_client,
+    parse_endpoint,
+)
 
 __all__ = ["CONNECT_FAIL_LOG_S", "SIZE_SUSPECT_BYTES", "RemoteDraftClient", "StepOutcome"]
 
@@ -98,6 +104,7 @@ HELLO_REPLY_BYTES: Final = 1 << 12
 # and DraftRounds lowers its row budget after repeated ones (7.5).
 SIZE_SUSPECT_BYTES: Final = 64 << 10
 _ENTRIES_AT: Final = wire.APP_HEADER_SIZE + STEP_HEADER_SIZE  # entries' offset in a STEP frame
+_USABLE: Final = np.isin(np.arange(256), sorted(wire.USABLE_REQ_STATUS))  # by status (u8)
 # While connected, the thread wakes for re-resolution and placement changes no more often
 # than this.
 MIN_TICK_S: Final = 0.01
@@ -121,6 +128,44 @@ class StepOutcome:
     unknown_apply: bool = False
     drafted: npt.NDArray[np.int64] | None = None
     status: int = wire.ST_OK  # the frame status when the worker answered one
+
+
+class _Ahead:
+    """What the reply's checks need of the request alone, for one STEP: the 6.3 side
+    (``protocol.validate.ValuesAhead``) and, on a sampled session, the draws' side
+    (``protocol.sampled.ReplyCheck``: every position's u). Made when called: the transport
+    calls it once the STEP is sent, while the reply is on its way. Should that fail or not
+    happen, the checks make their parts when the reply is in (raising there)."""
+
+    __slots__ = ("asked", "client", "draws", "sent", "values")
+
+    def __init__(self, client: RemoteDraftClient, sent: np.ndarray) -> None:
+        self.client, self.sent = client, sent
+        self.values: ValuesAhead | None = None
+        self.draws: ReplyCheck | None = None
+        self.asked: np.ndarray | None = None
+
+    def __call__(self) -> None:
+        try:
+            self.values = ValuesAhead(self.sent, self.client.hello.num_spec,
+                                      self.client.hello.window)
+            if self.client.sampled:
+                self.draws = self._draws()
+        except Exception:  # made again, and raised, where the reply is checked
+            self.values = self.draws = None
+
+    def sampled_check(self) -> tuple[ReplyCheck, np.ndarray]:
+        """The draws' check, and per entry whether it asked for a draft."""
+        if self.draws is None or self.asked is None:
+            self.draws = self._draws()
+        return self.draws, cast(np.ndarray, self.asked)
+
+    def _draws(self) -> ReplyCheck:
+        s, hello = self.sent, self.client.hello
+        self.asked = (s["flags"] & wire.RF_NEED_DRAFT) != 0
+        return ReplyCheck(s["seed"], s["generation"], s["anchor_pos"], s["top_k"],
+                          hello.num_spec, hello.vocab_size, asked=self.asked,
+                          scratch=self.client._scratch)
 
 
 class _Shared:
@@ -911,12 +956,20 @@ class RemoteDraftClient:
             seq = self._next_seq()
             wire.AppHeader(op=wire.OP_STEP, seq=seq, session=session,
                            body_len=body_len).pack_into(buf, 0)
+            # What the reply's checks need of the request alone is computed while the reply
+            # is on its way, where the transport offers that.
+            ahead = _Ahead(self, sent)
             t0 = time.perf_counter()
             try:
-                if len(parts) == 1:
-                    size = conn.request(parts[0], self._resp, timeout)
+                if getattr(conn, "runs_while_waiting", False):
+                    size = cast(WaitingRpcClient, conn).request_parts(
+                        parts, self._resp, timeout, while_waiting=ahead)
                 else:
-                    size = conn.request_parts(parts, self._resp, timeout)
+                    ahead()
+                    if len(parts) == 1:
+                        size = conn.request(parts[0], self._resp, timeout)
+                    else:
+                        size = conn.request_parts(parts, self._resp, timeout)
             except TransportTimeout:
                 self.stats.inc("step_timeouts")
                 self.mark_failed("STEP timed out")
@@ -930,7 +983,7 @@ class RemoteDraftClient:
             rtt_us = (time.perf_counter() - t0) * 1e6
             self.stats.observe(RTT_KEY, rtt_us * 1e-6, STEP_RTT_BUCKETS)
             out = self._check_step_reply(size, seq, session, step_id, entries, sent, rtt_us,
-                                         body_len)
+                                         body_len, ahead)
             counts: dict[str, float] = {"steps": 1, "bytes_sent": wire.APP_HEADER_SIZE + body_len,
                                         "bytes_received": size}
             if shm_at is not None:
@@ -965,7 +1018,8 @@ class RemoteDraftClient:
 
     def _check_step_reply(self, size: int, seq: int, session: int, step_id: int,
                           entries: Sequence[wire.ReqEntry], sent: np.ndarray,
-                          rtt_us: float, body_len: int = 0) -> StepOutcome:
+                          rtt_us: float, body_len: int = 0,
+                          ahead: _Ahead | None = None) -> StepOutcome:
         hello = self.hello
         try:
             h, body = wire.split_frame(memoryview(self._resp)[:size])
@@ -994,29 +1048,30 @@ class RemoteDraftClient:
                 raise wire.WireError(f"reply step_id {reply.step_id} != sent {step_id}",
                                      field="step_id", value=reply.step_id, limit=step_id)
             if self.sampled:
-                self._check_sampled(reply, sent)
+                self._check_sampled(reply, sent, ahead)
             elif reply.support_ids is not None:
                 raise wire.WireError("sampled arrays in a reply on a greedy session",
                                      field="flags", value=reply.flags)
             # The packed entries, not the objects: the check runs vectorised over them, and it
             # covers the generation echo (6.3).
-            drafted = check_reply_values(reply, sent, vocab_size=hello.vocab_size,
-                                         window=hello.window)
+            if ahead is not None and ahead.values is not None:
+                drafted = ahead.values.check(reply, hello.vocab_size)
+            else:
+                drafted = check_reply_values(reply, sent, vocab_size=hello.vocab_size,
+                                             window=hello.window)
         except wire.WireError as e:
             return self._bad_reply(e, rtt_us)
         return StepOutcome(True, reply=reply, rtt_us=rtt_us, drafted=drafted)
 
-    def _check_sampled(self, reply: wire.StepReply, sent: np.ndarray) -> None:
+    def _check_sampled(self, reply: wire.StepReply, sent: np.ndarray,
+                       ahead: _Ahead | None = None) -> None:
         mask, sup, q = reply.sampled_mask, reply.support_ids, reply.proposal_q
         if mask is None or sup is None or q is None:
             raise wire.WireError("sampled session reply without sampled q; refusing its drafts",
                                  field="flags", value=reply.flags)
-        needed = (((sent["flags"] & wire.RF_NEED_DRAFT) != 0)
-                  & ((reply.status == wire.RS_OK) | (reply.status == wire.RS_PARTIAL_WINDOW)))
         try:
-            check_sampled_reply(mask, sup, q, reply.draft_ids, needed, self.hello.vocab_size,
-                                sent["top_k"], sent["seed"], sent["generation"],
-                                sent["anchor_pos"], scratch=self._scratch)
+            check, asked = (ahead or _Ahead(self, sent)).sampled_check()
+            check.check(mask, sup, q, reply.draft_ids, asked & _USABLE[reply.status])
         except wire.WireError:
             raise
         except ValueError as exc:  # shape errors of the caller's arrays

@@ -37,7 +37,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
 from protocol.constants import APP_HEADER_SIZE
@@ -91,6 +91,18 @@ class RpcClient(Protocol):
     def request_parts(self, parts: Sequence[Any], buf: bytearray, timeout: float) -> int: ...
 
     def close(self) -> None: ...
+
+
+class WaitingRpcClient(RpcClient, Protocol):
+    """A transport whose ``request_parts`` runs ``while_waiting`` between sending the frame
+    and reading the reply (it says so with ``runs_while_waiting``)."""
+
+    @property
+    def runs_while_waiting(self) -> bool: ...
+
+    def request_parts(self, parts: Sequence[Any], buf: bytearray, timeout: float,
+                      fds: Sequence[int] = (),
+                      while_waiting: Callable[[], None] | None = None) -> int: ...
 
 
 class Endpoint:
@@ -250,16 +262,24 @@ class SocketClient:
             raise TransportError(f"{self.endpoint.text}: descriptors go over Unix sockets only")
         return self.request_parts((msg,), buf, timeout, fds=fds)
 
+    runs_while_waiting: Final = True  # request_parts takes while_waiting
+
     def request_parts(self, parts: Sequence[Any], buf: bytearray, timeout: float,
-                      fds: Sequence[int] = ()) -> int:
+                      fds: Sequence[int] = (),
+                      while_waiting: Callable[[], None] | None = None) -> int:
         """Send ``parts`` back to back as one frame, receive one reply frame into ``buf`` (grown
         when the reply is larger) and return the reply's length in bytes. Parts are any
-        C-contiguous buffers (bytes, bytearray, memoryview, numpy arrays); none is copied."""
+        C-contiguous buffers (bytes, bytearray, memoryview, numpy arrays); none is copied.
+        ``while_waiting`` is called once the frame is sent, before the reply is read: work
+        that needs the request but not the reply, done during the round trip (it must not
+        raise)."""
         deadline = time.monotonic() + timeout
         views = [_byte_view(p) for p in parts]
         sock = self._usable_socket(deadline)
         try:
             self._send_all(sock, views, deadline, fds)
+            if while_waiting is not None:
+                while_waiting()
             return self._recv_frame(sock, buf, deadline)
         except TransportError:
             self._abort()

@@ -6,14 +6,16 @@
   position), so anyone holding q can recompute the draft.
 * ``validate``: what a sampled reply must satisfy (9.2), vectorised, naming the first offender.
 * ``check_draws``: the stricter check that re-derives every draw.
-* ``check_reply``: both in one pass, as the client runs them on every sampled reply.
+* ``check_reply``: both in one pass, as the client runs them on every sampled reply;
+  ``ReplyCheck`` the same, its request-only part (every u) done ahead, while the reply is on
+  its way.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any, Final, cast
+from typing import Any, Final, NoReturn, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -21,8 +23,8 @@ import numpy.typing as npt
 from .constants import MAX_TOP_K, Q_BITS, Q_TOTAL
 from .errors import ReplyValueError
 
-__all__ = ["MAX_TOP_K", "Q_BITS", "Q_TOTAL", "Scratch", "build_q", "check_draws", "check_reply",
-           "draw", "draw_u", "quantize", "top_k_probs", "validate"]
+__all__ = ["MAX_TOP_K", "Q_BITS", "Q_TOTAL", "ReplyCheck", "Scratch", "build_q", "check_draws",
+           "check_reply", "draw", "draw_u", "quantize", "top_k_probs", "validate"]
 
 # SplitMix64 constants (Steele, Lea and Flood, 2014).
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
@@ -209,24 +211,33 @@ class _Plan:
             self.halves = halves
             self.ids_h = np.empty(M, halves["head"])
             self.q_h = np.empty(M, halves["head"])
-            self.rest = np.empty(M, halves["rest"])
+            self.rest = np.empty(2 * M, halves["rest"])  # the ids' rests, then q's
+            self.rest_ids, self.rest_q = self.rest[:M], self.rest[M:]
             self.rest_u = self.rest.view(np.uint32)
             self.ids = self.ids_h.view(np.int32)
             self.q = self.q_h.view(np.uint32)
         else:
             self.q = np.empty(P, np.uint32)
         self.used = np.empty(P, bool)
-        self.nz = np.empty(P, bool)
+        self.used_next = self.used[1:]
         self.t1 = np.empty(self.Mp * W, bool)  # the sort's neighbours need Mp * W - 1
         self.t1P = self.t1[:P]
+        self.cand = self.t1P[:-1]
+        self.marks = self.t1P.reshape(M, W)
+        self.words = self.marks.view(np.uint64)  # [M, W / 8]: what _row_counts adds
+        self.q_lo, self.q_hi = self.q[:-1], self.q[1:]
+        self.ends = self.q[W - 1::W]  # once q is the running sum: its value at each end
+        self.base = np.zeros(M, np.uint32)  # base[0] stays 0
+        self.base_next, self.ends_prev = self.base[1:], self.ends[:-1]
+        self.T = np.empty(M, np.uint32)
         self.work = np.empty(self.Mp * W, np.uint32)
+        self.work_P, self.work_signed = self.work[:P], self.work[:P].view(np.int32)
         self.acc = np.empty(M, np.uint64)
         self.starts = np.arange(0, P, W, dtype=np.int64)
-        self.base = np.empty(M, np.uint32)
         self.z = np.empty((n, N), np.uint64)
         self.zt = np.empty(M, np.uint64)
         self.u = np.empty(M, np.uint32)
-        self.steps = np.arange(1, N + 1, dtype=np.uint64) * _GOLDEN
+        self.steps = (_steps(N) + _ONE) * _GOLDEN
         self.stamps: dict[int, tuple[Any, Any]] = {}
 
     def patterns(self, b: int, dt: Any) -> tuple[Any, Any]:
@@ -254,7 +265,7 @@ class _Scan:
     def __init__(self, d: Any, N: int, W: int, plan: _Plan | None = None) -> None:
         self.d, self.N, self.W, self.plan = d, N, W, plan
         self.M = d.size
-        self.drafted: Any = np.zeros(self.M, bool)
+        self.drafted: Any = None  # set by a pass that found the reply good
         self.ids: Any = None
         self.used: Any = None
         self.C: Any = None
@@ -280,15 +291,15 @@ class _Scan:
         limit = np.add(self.base, u, dtype=self.C.dtype, casting="unsafe")
         over = np.subtract(self.C, np.repeat(limit, W), out=work)
         signed = over.view(np.int32 if over.dtype == np.uint32 else np.int64)
-        place = _row_counts(np.less_equal(signed, 0, out=below).reshape(M, W), acc)
-        np.minimum(place, W - 1, out=place)
-        place += starts
-        return self.ids[place]
+        np.less_equal(signed, 0, out=below)
+        place = _row_counts(below.reshape(M, W).view(np.uint64), acc)
+        place += starts  # W (no place) only where not drafted: any id will do, in range
+        return np.take(self.ids, place, mode="clip")
 
     def bad_draws(self, seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike,
-                  w: Scratch) -> tuple[Any, Any, Any]:
+                  w: Scratch, u: Any = None) -> tuple[Any, Any, Any]:
         """The drafted positions (flat) whose draft is not their draw, ascending; with every
-        position's drawn id and u, for the message."""
+        position's drawn id and u (given, or computed here), for the message."""
         if not self.drafted.any():
             return np.zeros(0, np.int64), None, None
         M, W = self.M, self.W
@@ -297,25 +308,28 @@ class _Scan:
             n = M // self.N
             u = _uniforms(seeds, generations, anchor_pos, np.empty((n, self.N), np.uint64),
                           np.empty(M, np.uint64), np.empty(M, np.uint32),
-                          _steps(self.N) * _GOLDEN)
+                          (_steps(self.N) + _ONE) * _GOLDEN)
             expect = self.draws(u, w.get("work64", np.int64, M * W), w.get("t1", bool, M * W),
                                 np.empty(M, np.uint64), np.arange(0, M * W, W))
         else:
-            u = _uniforms(seeds, generations, anchor_pos, p.z, p.zt, p.u, p.steps)
+            if u is None:
+                u = _uniforms(seeds, generations, anchor_pos, p.z, p.zt, p.u, p.steps)
             expect = self.draws(u, p.work[:M * W], p.t1P, p.acc, p.starts)
         wrong = expect != self.d
         wrong &= self.drafted
         return np.flatnonzero(wrong), expect, u
 
 
-def _row_counts(marks: Any, acc: Any) -> Any:
-    """How many places of each row are marked (bool ``[M, W]``, W a multiple of 8, at most
-    255 marks a row), into ``acc`` (uint64 ``[M]``): the row's bytes read as W / 8 words,
-    added, and the word's bytes summed by one multiplication (each byte holds at most W / 8,
-    so no byte carries)."""
-    words = marks.view(np.uint64)
-    np.copyto(acc, words[:, 0])
-    for c in range(1, marks.shape[1] // 8):
+def _row_counts(words: Any, acc: Any) -> Any:
+    """How many places of each row are marked, into ``acc`` (uint64 ``[M]``): ``words`` is a
+    bool ``[M, W]`` (W a multiple of 8, at most 255 marks a row) read as ``[M, W / 8]``
+    words; they are added, and the word's bytes summed by one multiplication (each byte holds
+    at most W / 8, so no byte carries)."""
+    if words.shape[1] == 1:
+        np.copyto(acc, words[:, 0])
+    else:
+        np.add(words[:, 0], words[:, 1], out=acc)
+    for c in range(2, words.shape[1]):
         acc += words[:, c]
     acc *= _BYTES
     acc >>= _56
@@ -342,10 +356,12 @@ def _wire_arrays(support_ids: Any, proposal_q: Any, vocab_size: int) -> tuple[An
 
 
 def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: Any,
-             vocab_size: int, tk: Any, member: bool, w: Scratch) -> tuple[_Scan, bool]:
+             vocab_size: int, tk: Any, member: bool, w: Scratch,
+             width: int = 0) -> tuple[_Scan, bool]:
     """Section 9.2 over every position at once: the scan, and whether the reply passes.
     ``member``: also check that each draft is a support id with q > 0 (a draft that
-    re-derives under 9.3 is one, so the combined check leaves it to the draw).
+    re-derives under 9.3 is one, so the combined check leaves it to the draw). ``width``: W
+    chosen ahead (``ReplyCheck``), used when not below what the reply needs.
 
     Only the first W places of a position are read closely, W the largest top_k of a sampled
     entry rounded up to 8: every later place must carry id 0 and q 0. Every rule is then an
@@ -374,30 +390,33 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
         return _Scan(d, N, 0), False
     D = min(K, int((tk * sampled).max())) if n else 0
     W = min(K, (D + 7) & ~7)
+    if W and width > W:  # more places read closely: the same rules, the same verdict
+        W = width
     if not M or not W:
-        return _Scan(d, N, W), not (q.any() or ids.any())
+        s = _Scan(d, N, W)
+        s.drafted = np.zeros(M, bool)
+        return s, not (q.any() or ids.any())
     p = w.plan(n, N, W)
     s = _Scan(d, N, W, p)
     if W < K:  # contiguous copies of the places that matter; the rest must be 0
-        np.copyto(p.ids_h, ids.view(p.halves)["head"])
-        np.copyto(p.rest, ids.view(p.halves)["rest"])
+        rows_i, rows_q = ids.view(p.halves), q.view(p.halves)
+        np.copyto(p.ids_h, rows_i["head"])
+        np.copyto(p.rest_ids, rows_i["rest"])
+        np.copyto(p.q_h, rows_q["head"])
+        np.copyto(p.rest_q, rows_q["rest"])
         if p.rest_u.max():
             return s, False
-        np.copyto(p.q_h, q.view(p.halves)["head"])
-        np.copyto(p.rest, q.view(p.halves)["rest"])
-        if p.rest_u.max():
-            return s, False
-        s.ids, qf = p.ids, p.q
+        s.ids, qf, q_lo, q_hi = p.ids, p.q, p.q_lo, p.q_hi
     else:
-        s.ids, qf = ids, q
+        s.ids, qf, q_lo, q_hi = ids, q, q[:-1], q[1:]
     if int(s.ids.view(np.uint32).max()) >= min(vocab_size, 1 << 31) or int(qf.max()) > Q_TOTAL:
         return s, False
     s.used = used = np.not_equal(qf, 0, out=p.used)
-    nz = np.not_equal(s.ids, 0, out=p.nz)
-    if np.greater(nz, used, out=p.t1P).any():  # unused, id not 0
+    nz = np.not_equal(s.ids, 0, out=p.t1P)
+    if np.greater(nz, used, out=nz).any():  # unused, id not 0
         return s, False
-    cand = np.less_equal(qf[:-1], qf[1:], out=p.t1P[:-1])  # order: suspects
-    cand &= used[1:]
+    cand = np.less_equal(q_lo, q_hi, out=p.cand)  # order: suspects
+    cand &= p.used_next
     cand[W - 1::W] = False  # the last place of one position and the first of the next
     if cand.any():
         at = np.flatnonzero(cand)
@@ -405,7 +424,11 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
             return s, False
     if D > 1 and _repeats(s.ids, qf, p, vocab_size):
         return s, False
-    T = s.sums(qf, p.q, p.base)  # over q's own copy when it has one (q is not read again)
+    # The running sum, over q's own copy when it has one (q is not read again).
+    s.C = np.cumsum(qf, dtype=np.uint32, out=p.q)
+    s.base = p.base
+    np.copyto(p.base_next, p.ends_prev)
+    T = np.subtract(p.ends, p.base, out=p.T)
     full = T == Q_TOTAL
     if full.all() and sampled.all():  # the usual reply: every position drafted
         s.drafted = full
@@ -472,9 +495,9 @@ def _members(ids: Any, used: Any, d: Any, p: _Plan) -> Any:
     """Per position: is its draft id one of its used support ids? Used ids are distinct (the
     distinctness rule runs first), so a position matches at one place or none."""
     M, W = p.M, p.W
-    hit = np.equal(ids.reshape(M, W), d[:, None], out=p.t1P.reshape(M, W))
+    hit = np.equal(ids.reshape(M, W), d[:, None], out=p.marks)
     hit &= used.reshape(M, W)
-    return _row_counts(hit, p.acc) != 0
+    return _row_counts(p.words, p.acc) != 0
 
 
 def _inputs(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
@@ -512,17 +535,64 @@ def check_reply(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
     """``validate`` then ``check_draws`` in one pass, what the client runs on every sampled
     reply: the same verdict and the same first offender as the two in turn, for about the cost
     of ``validate`` (the running sum of q serves both, and a draft that re-derives is a used
-    support id, so 9.2's membership test is left to the draw)."""
-    w = scratch or Scratch()
-    s, refuse_92 = _checked_92(sampled_mask, support_ids, proposal_q, draft_ids, needed,
-                               vocab_size, top_ks, False, w)
-    bad, expect, u = s.bad_draws(seeds, generations, anchor_pos, w)
-    if not bad.size:
-        return
-    # A draft outside its support fails 9.2, which comes first: name that one if any.
-    if not _members(s.ids, s.used, s.d, cast(_Plan, s.plan))[bad].all():  # drafted: planned
-        refuse_92()
-    _raise_draw(int(bad[0]), s.N, s.d, expect, u, seeds, generations, anchor_pos)
+    support id, so 9.2's membership test is left to the draw). ``ReplyCheck`` is the same
+    check with the part that depends on the request alone done first."""
+    N = np.asarray(draft_ids).shape[-1]
+    ReplyCheck(seeds, generations, anchor_pos, top_ks, N, vocab_size, asked=needed,
+               scratch=scratch).check(sampled_mask, support_ids, proposal_q, draft_ids, needed)
+
+
+class ReplyCheck:
+    """``check_reply`` in two parts, split where the STEP has been sent: the constructor takes
+    what the request fixes (per entry its seed, generation, anchor_pos and top_k; N; the
+    vocabulary size; ``asked``, per entry whether it asked for a draft, by default every one)
+    and computes what depends on it alone: every position's u (section 9.3) and how many
+    support places to read closely. A client builds it while the reply is on its way, off the
+    round's critical path. ``check`` then takes the reply (and per entry whether its status
+    let it draft) and gives ``check_reply``'s verdict and first offender.
+
+    The arrays live in ``scratch`` (one is made when none is given): check a ReplyCheck's
+    reply before making the next one on the same scratch."""
+
+    def __init__(self, seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike,
+                 top_ks: ArrayLike, num_spec: int, vocab_size: int, *,
+                 asked: ArrayLike | None = None, scratch: Scratch | None = None) -> None:
+        self.scratch = w = scratch or Scratch()
+        self.seeds, self.generations, self.anchor_pos = seeds, generations, anchor_pos
+        self.top_ks = tk = np.asarray(top_ks).astype(np.int64)
+        N = self.num_spec = int(num_spec)
+        self.vocab_size = vocab_size
+        n = tk.size
+        bound = tk if asked is None else tk * np.asarray(asked, dtype=bool).reshape(tk.shape)
+        D = min(MAX_TOP_K, int(bound.max())) if n else 0
+        self.width = W = min(MAX_TOP_K, (D + 7) & ~7)
+        self.u: Any = None
+        if n and N and W and tk.ndim == 1:
+            p = w.plan(n, N, W)
+            self.u = _uniforms(seeds, generations, anchor_pos, p.z, p.zt, p.u, p.steps)
+
+    def check(self, sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
+              draft_ids: ArrayLike, needed: ArrayLike) -> None:
+        """Sections 9.2 and 9.3 for the reply: raises ReplyValueError naming the first
+        offender, as ``check_reply``."""
+        w = self.scratch
+        mask, sup, q, drafts, need, tk = _inputs(sampled_mask, support_ids, proposal_q,
+                                                 draft_ids, needed, self.top_ks)
+        if drafts.shape[1] != self.num_spec:
+            raise ReplyValueError(f"draft_ids have shape {drafts.shape}; the request has N ="
+                                  f" {self.num_spec}")
+        s, ok = _pass_92(mask, sup, q, drafts, need, self.vocab_size, tk, False, w, self.width)
+        if not ok:
+            _raise_first(mask, sup, q, drafts, need, self.vocab_size, tk, w)
+        u = self.u if s.plan is not None and self.width == s.W else None
+        bad, expect, u = s.bad_draws(self.seeds, self.generations, self.anchor_pos, w, u)
+        if not bad.size:
+            return
+        # A draft outside its support fails 9.2, which comes first: name that one if any.
+        if not _members(s.ids, s.used, s.d, cast(_Plan, s.plan))[bad].all():  # drafted: planned
+            _raise_first(mask, sup, q, drafts, need, self.vocab_size, tk, w)
+        _raise_draw(int(bad[0]), s.N, s.d, expect, u, self.seeds, self.generations,
+                    self.anchor_pos)
 
 
 def _checked_92(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
@@ -545,27 +615,30 @@ def _checked_92(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
 def _uniforms(seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike, z: Any, zt: Any,
               u: Any, steps_g: Any) -> Any:
     """u of every position into ``u`` (flat ``[n * N]`` uint32; z ``[n, N]`` and zt ``[n * N]``
-    uint64 scratch, steps_g ``(j + 1) * golden`` for j < N): ``draw_u`` of entry i's seed and
+    uint64 scratch, steps_g ``(j + 2) * golden`` for j < N): ``draw_u`` of entry i's seed and
     generation at positions ``anchor_pos[i] + 1 .. anchor_pos[i] + N``. The state is
-    ``seed + ((generation << 32) + 1 + position) * golden``; its per-entry part
-    ``c = seed + ((generation << 32) + 1 + anchor_pos) * golden`` is computed once, so each
-    position costs one addition before the mix (unless a position passes 2**32 - 1, where the
-    counter's low half wraps: then position by position)."""
+    ``seed + ((generation << 32) + position + 1) * golden``, position ``anchor_pos + j + 1``;
+    its per-entry part ``seed + ((generation << 32) + anchor_pos) * golden`` is computed once,
+    so each position costs one addition before the mix (unless a position passes 2**32 - 1,
+    where the counter's low half wraps: then position by position)."""
     n, N = z.shape
     a = np.asarray(anchor_pos).astype(np.uint64).reshape(-1)
-    g = np.asarray(generations, dtype=np.uint64).reshape(-1) & _U32
+    g = np.asarray(generations)
+    g = g.reshape(-1).astype(np.uint64) if g.dtype in (np.uint32, np.uint16, np.uint8) else (
+        np.asarray(g, dtype=np.uint64).reshape(-1) & _U32)
     s = np.asarray(seeds, dtype=np.uint64).reshape(-1)
     if n and int(a.max()) + N > 0xFFFFFFFF:
         np.add(a[:, None], _steps(N), out=z)
         z &= _U32
+        z += _ONE
         z *= _GOLDEN
-        z += (s + ((g << _32) + _ONE) * _GOLDEN)[:, None]
+        z += (s + (g << _32) * _GOLDEN)[:, None]
     else:
-        c = (g << _32) + a
-        c += _ONE
-        c *= _GOLDEN
-        c += s
-        np.add(c[:, None], steps_g, out=z)
+        g <<= _32
+        g += a
+        g *= _GOLDEN
+        g += s
+        np.add(g[:, None], steps_g, out=z)
     np.copyto(u, _mix(z.reshape(-1), zt), casting="unsafe")
     return u
 
@@ -607,7 +680,7 @@ def check_draws(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
 
 
 def _raise_first(mask: Any, sup: Any, q: Any, drafts: Any, need: Any, vocab_size: int,
-                 tk: Any, w: Scratch) -> None:
+                 tk: Any, w: Scratch) -> NoReturn:
     """Name the first offender of section 9.2 (the failure path only: the one pass has refused
     the reply). The rules hold entry by entry, so whether the first k entries pass is monotone
     in k: a binary search with the one pass finds the first failing entry, and ``_explain``

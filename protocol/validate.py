@@ -99,9 +99,19 @@ def check_reply_values(reply: StepReply, entries: Sequence[ReqEntry] | npt.NDArr
     ``entries``: the STEP's ReqEntry objects, or its packed entries (an ENTRY_DTYPE array).
     Draft ids become the target's input ids and confidences feed the depth policy: positions
     ``j < k`` carry an id in ``[0, vocab_size)``, a confidence in ``[0, 1]`` and a finite margin
-    ``>= 0``; every other position carries zeros. NaN fails every comparison, so it fails."""
+    ``>= 0``; every other position carries zeros. NaN fails every comparison, so it fails.
+    ``ValuesAhead(...).check`` is the same check with its request-only part done first."""
     N = reply.num_spec
     _check_n_req(reply, entries)
+    if isinstance(entries, np.ndarray):
+        return ValuesAhead(entries, N, window).check(reply, vocab_size)
+    return _values(reply, entries, vocab_size, window)
+
+
+def _values(reply: StepReply, entries: Sequence[ReqEntry] | npt.NDArray[Any],
+            vocab_size: int, window: int) -> npt.NDArray[np.int64]:
+    """``check_reply_values``'s general pass (any reply)."""
+    N = reply.num_spec
     anchor, n_out, flags, generation = _entry_columns(entries)
     status = reply.status.astype(np.int64)
     wr = reply.window_rows.astype(np.int64)
@@ -125,6 +135,60 @@ def check_reply_values(reply: StepReply, entries: Sequence[ReqEntry] | npt.NDArr
     if not ok:
         _raise_first_value(reply, _as_objects(entries), ks.tolist(), vocab_size)
     return ks
+
+
+class ValuesAhead:
+    """``check_reply_values`` for the packed entries of one STEP, its request side done
+    first: a client makes it while the reply is on its way, then calls ``check``. ``usual``:
+    every entry asked for a draft of all N positions (n_out 0 or at least N); then a reply
+    that gives each one status OK, its whole window (``window_rows``: min(W, anchor_pos)) and
+    its generation echo (``generation``) has every position drafted, and 6.3 is a few bounds
+    on the whole reply (``_usual_reply``). The arrays view the entries: keep them unchanged
+    until the reply is checked."""
+
+    __slots__ = ("entries", "generation", "num_spec", "usual", "window", "window_rows")
+
+    def __init__(self, entries: npt.NDArray[Any], num_spec: int, window: int) -> None:
+        n_out = entries["n_out"]
+        self.entries, self.num_spec, self.window = entries, num_spec, window
+        self.usual = bool(entries.size and num_spec and (entries["flags"] & RF_NEED_DRAFT).all()
+                          and ((n_out - _ONE16) >= num_spec - 1).all())
+        if self.usual:
+            self.window_rows = np.minimum(entries["anchor_pos"], window)
+            self.generation = entries["generation"]
+
+    def check(self, reply: StepReply, vocab_size: int) -> npt.NDArray[np.int64]:
+        """``check_reply_values(reply, entries, vocab_size=..., window=...)``."""
+        _check_n_req(reply, self.entries)
+        if self.usual:
+            ks = _usual_reply(reply, self, vocab_size)
+            if ks is not None:
+                return ks
+        return _values(reply, self.entries, vocab_size, self.window)
+
+
+def _usual_reply(reply: StepReply, ahead: ValuesAhead,
+                 vocab_size: int) -> npt.NDArray[np.int64] | None:
+    """The usual reply (``ValuesAhead``), checked with a few reductions over the whole reply:
+    returns ``k`` per entry (N); None when the reply is not of that kind or breaks a rule, for
+    the general pass to decide (and name the offender)."""
+    n, N = reply.draft_ids.shape
+    if ahead.num_spec != N or int(reply.status.max()) != RS_OK:
+        return None
+    if not ((reply.window_rows == ahead.window_rows).all()
+            and (reply.generation == ahead.generation).all()):
+        return None
+    conf, m = reply.confidence, reply.margin
+    # NaN makes min and max NaN, and fails every comparison.
+    if not (int(reply.draft_ids.view(np.uint32).max()) < vocab_size
+            and conf.min() >= 0.0 and conf.max() <= 1.0
+            and (m is None or (m.min() >= 0.0 and m.max() <= _F32_MAX))):
+        return None
+    return np.full(n, N, np.int64)
+
+
+_ONE16 = np.uint16(1)  # n_out - 1 wraps n_out 0 to 65535: "n_out 0 or at least N" is one test
+_F32_MAX = float(np.finfo(np.float32).max)  # a finite margin is at most this
 
 
 def _as_objects(entries: Sequence[ReqEntry] | npt.NDArray[Any]) -> Sequence[ReqEntry]:

@@ -29,6 +29,7 @@ from client_fakes import (
     rows_for,
 )
 
+import dspark_client.client as client_mod
 from dspark_client.client import RemoteDraftClient
 from dspark_client.config import RemoteConfig
 from dspark_client.stats import Stats
@@ -418,6 +419,57 @@ def test_sampled_bad_replies(fw: FakeWorker, sampled_client: RemoteDraftClient, 
     out = sampled_prefill(sampled_client)
     assert out.reason == "bad_reply"
     assert words in str(sampled_client.stats.get("last_bad_reply"))
+
+
+def test_the_draws_request_side_is_made_while_the_reply_is_on_its_way(
+        fw: FakeWorker, sampled_client: RemoteDraftClient, monkeypatch: Any) -> None:
+    """The socket transport runs the client's request-only work between send and receive:
+    the ReplyCheck (every u) is made while the worker has the STEP and not yet answered."""
+    received, made = threading.Event(), threading.Event()
+    seen_by_client: list[bool] = []
+    seen_by_worker: list[bool] = []
+    real = client_mod.ReplyCheck
+
+    def spy(*a: Any, **kw: Any) -> Any:  # the STEP must be at the worker already
+        seen_by_client.append(received.wait(5))
+        made.set()
+        return real(*a, **kw)
+
+    def hook(ctx: StepCtx) -> None:  # and the worker answers only once the check is made
+        received.set()
+        seen_by_worker.append(made.wait(5))
+
+    monkeypatch.setattr(client_mod, "ReplyCheck", spy)
+    fw.step_hook = hook
+    out = sampled_prefill(sampled_client)
+    assert out.ok, sampled_client.stats.get("last_bad_reply")
+    assert seen_by_client == [True] and seen_by_worker == [True]
+
+
+def test_a_failure_while_waiting_is_made_good_when_the_reply_is_in(
+        fw: FakeWorker, sampled_client: RemoteDraftClient, monkeypatch: Any) -> None:
+    """The request-only work must not raise inside the transport (that would drop the
+    connection): what fails there is made again once the reply is in, and a reply that is
+    good still passes."""
+    real = client_mod.ReplyCheck
+    calls = {"n": 0}
+
+    def flaky(*a: Any, **kw: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise MemoryError("scratch")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(client_mod, "ReplyCheck", flaky)
+    epoch = sampled_client.connection_epoch()
+    out = sampled_prefill(sampled_client)
+    assert out.ok, sampled_client.stats.get("last_bad_reply")
+    assert calls["n"] == 2
+    assert sampled_client.connection_epoch() == epoch  # the connection was kept
+    fw.step_hook = _mutate(_swap_draw)  # and the remade check still refuses a wrong draw
+    calls["n"] = 0
+    assert sampled_prefill(sampled_client, step_id=2).reason == "bad_reply"
+    assert "is not the draw" in str(sampled_client.stats.get("last_bad_reply"))
 
 
 def test_sampled_session_refuses_reply_without_q() -> None:

@@ -452,9 +452,9 @@ def test_staging_is_what_goes_out(fw: FakeWorker, setup: Any) -> None:
     assert conn is not None
     real = conn.request_parts
 
-    def spy(parts: Any, buf: bytearray, timeout: float) -> int:
+    def spy(parts: Any, buf: bytearray, timeout: float, **kw: Any) -> int:
         seen.append(parts)
-        return int(real(parts, buf, timeout))
+        return int(real(parts, buf, timeout, **kw))
 
     conn.request_parts = spy
     eng.admit(0, 8)

@@ -148,6 +148,37 @@ def test_round_trip_sets_nodelay_and_returns_length() -> None:
         c.close()  # idempotent
 
 
+def test_while_waiting_runs_once_after_the_frame_is_sent_and_before_the_reply() -> None:
+    """The client's request-only work runs in the round trip: the whole frame is at the
+    worker when it runs, and the reply, which the worker holds back until told, is not yet
+    read."""
+    frame_in = threading.Event()
+    may_reply = threading.Event()
+    frame = ping_frame(5)
+
+    def handler(conn: socket.socket) -> None:
+        h, _ = read_frame(conn)
+        frame_in.set()
+        may_reply.wait(5)
+        conn.sendall(wire.frame(h.op, h.seq, 0, b""))
+
+    calls: list[tuple[bool, bool]] = []
+
+    def while_waiting() -> None:
+        calls.append((frame_in.wait(5), bytes(buf[:len(frame)]) == bytes(len(frame))))
+        may_reply.set()
+
+    buf = bytearray(64)
+    with serve(handler) as ep:
+        c = make_client(ep)
+        c.connect(1.0)
+        assert c.runs_while_waiting
+        n = c.request_parts((frame[:10], frame[10:]), buf, 5.0, while_waiting=while_waiting)
+        c.close()
+    assert calls == [(True, True)]  # once; the frame was in, nothing of the reply was read
+    assert wire.split_frame(memoryview(buf)[:n])[0].seq == 5
+
+
 def test_reply_arriving_a_byte_at_a_time() -> None:
     body = bytes(range(256)) * 3
 

@@ -396,3 +396,87 @@ def test_the_first_offender_of_256_entries_is_named(entry: int) -> None:
     err = refusal(lambda: combined(r))
     assert err is not None and (err.entry, err.position) == (i, j)
     assert f"q sums to {Q_TOTAL + 1}" in str(err)
+
+
+# -- the check made ahead (ReplyCheck), its edges --------------------------------------------------
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 12), N=st.integers(1, 5),
+       muts=mutations(), asked=st.sampled_from(["all", "needed", "more", "fewer"]))
+def test_the_check_made_ahead_gives_check_replys_verdict(seed: int, n: int, N: int, muts: Any,
+                                                         asked: str) -> None:
+    """ReplyCheck made from the request (u, the places read) then checking the reply says
+    what check_reply says, whichever entries the request says asked for a draft: all, the
+    ones the reply's statuses let draft, more, or fewer (then a sampled entry can need more
+    places than were planned, and the check plans again)."""
+    r = build(seed, n, N)
+    mutate(r, muts)
+    rng = np.random.default_rng(seed)
+    extra = rng.random(n) < 0.5
+    mask = {"all": None, "needed": r["needed"], "more": r["needed"] | extra,
+            "fewer": r["needed"] & extra}[asked]
+    scratch = sampled.Scratch()
+    ahead = sampled.ReplyCheck(r["seeds"], r["gens"], r["anchors"], r["top_ks"], N, VOCAB,
+                               asked=mask, scratch=scratch)
+    got = refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"]))
+    assert message(got) == message(refusal(lambda: combined(r)))
+    assert message(got) == message(refusal(lambda: in_turn(r)))
+
+
+def redraw(r: dict[str, Any]) -> None:
+    """Every drafted position's draft drawn anew from its q (after seeds or anchors change)."""
+    n, N = r["drafts"].shape
+    for i in range(n):
+        for j in range(N):
+            if r["mask"][i] and r["q"][i, j].any():
+                u = splitmix_u(int(r["seeds"][i]), int(r["gens"][i]), int(r["anchors"][i]) + j + 1)
+                r["drafts"][i, j] = sampled.draw(r["sup"][i, j], r["q"][i, j], u)
+
+
+@pytest.mark.parametrize("anchor", [2**32 - 6, 2**32 - 3, 2**32 - 1, 2**32 + 5])
+def test_positions_past_the_counters_low_half_wrap_as_the_contract_says(anchor: int) -> None:
+    """A position's low 32 bits go into u's counter: positions at and past 2**32 wrap. The
+    check takes the per-entry shortcut only when no position of the reply wraps."""
+    r = build(8, 16, 5)
+    r["anchors"] = np.full(16, anchor, np.int64)
+    r["anchors"][::2] = 100  # some entries far from the wrap: both paths in one reply
+    redraw(r)
+    assert draws(r)
+    assert refusal(lambda: combined(r)) is None
+    i, j = (int(x) for x in np.argwhere(r["q"].any(axis=-1) & (r["mask"][:, None] == 1)
+                                        & (r["anchors"][:, None] == anchor))[0])
+    ids = r["sup"][i, j][r["q"][i, j] > 0]
+    if ids.size > 1:
+        r["drafts"][i, j] = ids[ids != r["drafts"][i, j]][0]
+        err = refusal(lambda: combined(r))
+        assert err is not None and (err.entry, err.position) == (i, j)
+        assert f"position {anchor + j + 1}" in str(err)
+
+
+@pytest.mark.parametrize("vocab", [1 << 27, (1 << 31) - 1, (1 << 32) - 1])
+def test_vocabularies_too_wide_for_32_bit_sort_keys(vocab: int) -> None:
+    """Ids whose sort key does not fit 32 bits beside the position's stamp take 64-bit keys:
+    repeats are still found, and a negative id is out of range even when the vocabulary size
+    (a u32 in HELLO) is past 2**31."""
+    r = build(3, 24, 4)
+
+    def verdict() -> str | None:
+        return message(refusal(lambda: sampled.check_reply(
+            r["mask"], r["sup"], r["q"], r["drafts"], r["needed"], vocab, r["top_ks"],
+            r["seeds"], r["gens"], r["anchors"])))
+
+    assert verdict() is None
+    # Every id moved up to just below the vocabulary's end: order, draws and distinctness
+    # are unchanged, so the reply stays good.
+    offset = min(vocab, 1 << 31) - VOCAB
+    used = r["q"] > 0
+    r["sup"][used] += offset
+    drafted = used.any(axis=-1) & (r["mask"][:, None] == 1)
+    r["drafts"][drafted] += offset
+    assert verdict() is None
+    i, j = _two_used(r)
+    r["sup"][i, j, 1] = r["sup"][i, j, 0]
+    got = verdict()
+    assert got is not None and f"support id {int(r['sup'][i, j, 0])} appears twice" in got
+    r["sup"][i, j, 1] = -1
+    got = verdict()
+    assert got is not None and "support id -1 outside" in got

@@ -24,7 +24,7 @@ from protocol.constants import (
 )
 from protocol.errors import ReplyValueError, WireError
 from protocol.messages import ReqEntry, StepReply, decode_step, pack_step_prefix, rows_offset_for
-from protocol.validate import check_reply_values
+from protocol.validate import ValuesAhead, check_reply_values
 
 W, N, VOCAB = 8, 4, 100
 
@@ -236,3 +236,88 @@ def test_reply_for_another_number_of_entries_is_refused() -> None:
         assert info.value.value == 8
         assert info.value.limit == len(entries)
         assert "n_req 8" in str(info.value)
+
+
+# -- the usual reply: every entry drafts all N positions ---------------------------------------
+USUAL = [ReqEntry(i, (1 << 32) + 10 + i if i == 2 else 10 + i, [20, 3, 0, 9, 8][i], i,
+                  n_out=[0, N, 1000, 0, N][i], flags=RF_NEED_DRAFT) for i in range(5)]
+
+
+def usual_reply() -> StepReply:
+    rep = StepReply.empty(7, len(USUAL), N, RPF_MARGIN)
+    rep.window_rows[:] = [min(W, e.anchor_pos) for e in USUAL]
+    rep.generation[:] = [e.generation & 0xFFFFFFFF for e in USUAL]
+    rep.draft_ids[:] = np.arange(len(USUAL) * N).reshape(-1, N) % VOCAB
+    rep.confidence[:] = 0.5
+    assert rep.margin is not None
+    rep.margin[:] = 1.0
+    rep.finish(3)
+    return rep
+
+
+def packed(entries: list[ReqEntry]) -> Any:
+    buf = bytearray(rows_offset_for(len(entries)))
+    pack_step_prefix(buf, 0, 7, entries, 0, 2)
+    return decode_step(buf).entries
+
+
+def outcome(fn: Callable[[], Any]) -> Any:
+    try:
+        return [int(k) for k in fn()]
+    except ReplyValueError as exc:
+        return (str(exc), exc.entry, exc.slot, exc.position, exc.field)
+
+
+USUAL_CASES: dict[str, Mutation] = {
+    "as_is": lambda rep: None,
+    "status_partial": _set("status", (1,), RS_PARTIAL_WINDOW),
+    "status_unknown": _set("status", (4,), 200),
+    "status_shed": _set("status", (0,), RS_SHED),
+    "window_short": _set("window_rows", (3,), 7),
+    "window_over": _set("window_rows", (0,), 9),
+    "generation": _set("generation", (2,), 13),
+    "draft_vocab": _set("draft_ids", (4, 3), VOCAB),
+    "draft_negative": _set("draft_ids", (0, 0), -1),
+    "confidence_over": _set("confidence", (3, 1), 1.0000001),
+    "confidence_negative_zero": _set("confidence", (3, 1), -0.0),
+    "confidence_nan": _set("confidence", (1, 2), math.nan),
+    "margin_inf": _set("margin", (2, 0), math.inf),
+    "margin_nan": _set("margin", (4, 1), math.nan),
+    "margin_negative": _set("margin", (0, 3), -1e-30),
+    "margin_max": _set("margin", (0, 3), float(np.finfo(np.float32).max)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(USUAL_CASES))
+@pytest.mark.parametrize("shape", ["usual", "n_out_short", "no_draft"])
+def test_the_usual_replys_shortcut_says_what_the_rules_say(case: str, shape: str) -> None:
+    """With packed entries of a STEP whose every entry asks for all N positions the check
+    is a few bounds on the whole reply; it refuses and accepts exactly what the entry-by-entry
+    rules do (same counts, same first offender), also done in two parts (ValuesAhead)."""
+    entries = list(USUAL)
+    if shape == "n_out_short":  # one entry asks for fewer positions: not the usual kind
+        entries[3] = ReqEntry(3, 13, 9, 3, n_out=2, flags=RF_NEED_DRAFT)
+    elif shape == "no_draft":
+        entries[1] = ReqEntry(1, 11, 3, 1, flags=RF_RELEASE)
+    rep = usual_reply()
+    if shape == "n_out_short":
+        rep.draft_ids[3, 2:] = 0
+        rep.confidence[3, 2:] = 0
+        assert rep.margin is not None
+        rep.margin[3, 2:] = 0
+    elif shape == "no_draft":
+        rep.draft_ids[1] = 0
+        rep.confidence[1] = 0
+        assert rep.margin is not None
+        rep.margin[1] = 0
+    USUAL_CASES[case](rep)
+    view = packed(entries)
+    want = outcome(lambda: check_reply_values(rep, entries, vocab_size=VOCAB, window=W))
+    assert outcome(lambda: check_reply_values(rep, view, vocab_size=VOCAB, window=W)) == want
+    ahead = ValuesAhead(view, N, W)
+    assert ahead.usual == (shape == "usual")
+    assert outcome(lambda: ahead.check(rep, VOCAB)) == want
+    if case in ("as_is", "confidence_negative_zero", "margin_max"):
+        assert isinstance(want, list)
+    elif shape == "usual":
+        assert not isinstance(want, list)
