@@ -237,6 +237,8 @@ class _Plan:
         self.z = np.empty((n, N), np.uint64)
         self.zt = np.empty(M, np.uint64)
         self.u = np.empty(M, np.uint32)
+        self.limit = np.empty(M, np.uint32)
+        self.bases_if_every = (np.arange(M, dtype=np.uint64) * Q_TOTAL).astype(np.uint32)
         self.steps = (_steps(N) + _ONE) * _GOLDEN
         self.stamps: dict[int, tuple[Any, Any]] = {}
 
@@ -260,12 +262,13 @@ class _Scan:
     wrapping differences are then exact (a position's places sum to at most 32 * 2**24 <
     2**32); ``check_draws``, which reads q unchecked, sums in int64."""
 
-    __slots__ = ("C", "M", "N", "W", "base", "d", "drafted", "ids", "plan", "used")
+    __slots__ = ("C", "M", "N", "W", "base", "d", "drafted", "every", "ids", "plan", "used")
 
     def __init__(self, d: Any, N: int, W: int, plan: _Plan | None = None) -> None:
         self.d, self.N, self.W, self.plan = d, N, W, plan
         self.M = d.size
         self.drafted: Any = None  # set by a pass that found the reply good
+        self.every: Any = None  # drafted, when it is known to be every position
         self.ids: Any = None
         self.used: Any = None
         self.C: Any = None
@@ -281,15 +284,17 @@ class _Scan:
         base[1:] = ends[:-1]
         return ends - base
 
-    def draws(self, u: Any, work: Any, below: Any, acc: Any, starts: Any) -> Any:
+    def draws(self, u: Any, work: Any, below: Any, acc: Any, starts: Any,
+              limits: Any = None) -> Any:
         """Per position the id at its draw: the first place whose running sum exceeds u, i.e.
         the number of places whose running sum within the position is at most u (sums that
         never fall, since q is unsigned): places where ``C - (base + u) <= 0``, read as signed
         (exact for uint32 C: the difference lies within +-2**29). Only drafted positions of a
         reply that passed 9.2 get a meaningful id."""
         M, W = self.M, self.W
-        limit = np.add(self.base, u, dtype=self.C.dtype, casting="unsafe")
-        over = np.subtract(self.C, np.repeat(limit, W), out=work)
+        if limits is None:
+            limits = np.repeat(np.add(self.base, u, dtype=self.C.dtype, casting="unsafe"), W)
+        over = np.subtract(self.C, limits, out=work)
         signed = over.view(np.int32 if over.dtype == np.uint32 else np.int64)
         np.less_equal(signed, 0, out=below)
         place = _row_counts(below.reshape(M, W).view(np.uint64), acc)
@@ -297,9 +302,10 @@ class _Scan:
         return np.take(self.ids, place, mode="clip")
 
     def bad_draws(self, seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike,
-                  w: Scratch, u: Any = None) -> tuple[Any, Any, Any]:
+                  w: Scratch, u: Any = None, limits: Any = None) -> tuple[Any, Any, Any]:
         """The drafted positions (flat) whose draft is not their draw, ascending; with every
-        position's drawn id and u (given, or computed here), for the message."""
+        position's drawn id and u (given, or computed here), for the message. ``limits``:
+        ``base + u`` for each place of a reply with every position drafted, made ahead."""
         if not self.drafted.any():
             return np.zeros(0, np.int64), None, None
         M, W = self.M, self.W
@@ -314,9 +320,11 @@ class _Scan:
         else:
             if u is None:
                 u = _uniforms(seeds, generations, anchor_pos, p.z, p.zt, p.u, p.steps)
-            expect = self.draws(u, p.work[:M * W], p.t1P, p.acc, p.starts)
+            expect = self.draws(u, p.work[:M * W], p.t1P, p.acc, p.starts,
+                                limits if self.drafted is self.every else None)
         wrong = expect != self.d
-        wrong &= self.drafted
+        if self.drafted is not self.every:
+            wrong &= self.drafted
         return np.flatnonzero(wrong), expect, u
 
 
@@ -355,13 +363,29 @@ def _wire_arrays(support_ids: Any, proposal_q: Any, vocab_size: int) -> tuple[An
     return np.ascontiguousarray(ids).reshape(-1), np.ascontiguousarray(q).reshape(-1), fits
 
 
+class _Planned:
+    """What ``ReplyCheck`` fixes from the request for the one pass: per entry ``top_k > 0``
+    and whether it may be sampled (asked for a draft, top_k > 0); D, the largest top_k of
+    those, and W; whether any of them has top_k below W. A reply whose sampled entries are
+    among them is read W places deep (any W at least the reply's own gives the same rules)."""
+
+    __slots__ = ("D", "W", "covered", "short", "tk_pos")
+
+    def __init__(self, tk: Any, asked: Any) -> None:
+        self.tk_pos = tk > 0
+        self.covered = self.tk_pos if asked is None else self.tk_pos & asked
+        self.D = min(MAX_TOP_K, int((tk * self.covered).max())) if tk.size else 0
+        self.W = min(MAX_TOP_K, (self.D + 7) & ~7)
+        self.short = bool((self.covered & (tk < self.W)).any())
+
+
 def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: Any,
              vocab_size: int, tk: Any, member: bool, w: Scratch,
-             width: int = 0) -> tuple[_Scan, bool]:
+             planned: _Planned | None = None) -> tuple[_Scan, bool]:
     """Section 9.2 over every position at once: the scan, and whether the reply passes.
     ``member``: also check that each draft is a support id with q > 0 (a draft that
-    re-derives under 9.3 is one, so the combined check leaves it to the draw). ``width``: W
-    chosen ahead (``ReplyCheck``), used when not below what the reply needs.
+    re-derives under 9.3 is one, so the combined check leaves it to the draw). ``planned``:
+    what ``ReplyCheck`` fixed from the request, used when it covers the reply.
 
     Only the first W places of a position are read closely, W the largest top_k of a sampled
     entry rounded up to 8: every later place must carry id 0 and q 0. Every rule is then an
@@ -382,16 +406,18 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
     K = MAX_TOP_K
     M = n * N
     d = drafts.reshape(-1)
-    sampled = need & (tk > 0)
-    if (mask != sampled).any():  # also any mask value but 0 and 1
+    sampled = need & (tk > 0 if planned is None else planned.tk_pos)
+    if (mask != sampled.view(np.uint8)).any():  # also any mask value but 0 and 1
         return _Scan(d, N, 0), False
     ids, q, fits = _wire_arrays(support_ids, proposal_q, vocab_size)
     if not fits:
         return _Scan(d, N, 0), False
-    D = min(K, int((tk * sampled).max())) if n else 0
-    W = min(K, (D + 7) & ~7)
-    if W and width > W:  # more places read closely: the same rules, the same verdict
-        W = width
+    if planned is not None and not (sampled > planned.covered).any():
+        D, W, short_any = planned.D, planned.W, planned.short
+    else:
+        D = min(K, int((tk * sampled).max())) if n else 0
+        W = min(K, (D + 7) & ~7)
+        short_any = True
     if not M or not W:
         s = _Scan(d, N, W)
         s.drafted = np.zeros(M, bool)
@@ -431,15 +457,15 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
     T = np.subtract(p.ends, p.base, out=p.T)
     full = T == Q_TOTAL
     if full.all() and sampled.all():  # the usual reply: every position drafted
-        s.drafted = full
+        s.drafted = s.every = full
     else:
         rows_s = np.repeat(sampled, N)
         empty = T == 0  # every place unused; their ids are 0 (above)
         s.drafted = rows_s & ~(empty & (d == 0))
         if ((~rows_s & ~empty) | (s.drafted & ~full)).any():
             return s, False
-    short = np.flatnonzero(sampled & (tk < W))
-    if short.size:  # the place at top_k is unused (order then keeps every later one unused)
+    short = np.flatnonzero(sampled & (tk < W)) if short_any else ()
+    if len(short):  # the place at top_k is unused (order then keeps every later one unused)
         at = (short * N)[:, None] + np.arange(N)
         if used.reshape(M, W)[at, tk[short][:, None]].any():
             return s, False
@@ -506,7 +532,7 @@ def _inputs(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLi
     sup, q = np.asarray(support_ids), np.asarray(proposal_q)
     drafts = np.asarray(draft_ids)
     need = np.asarray(needed, dtype=bool)
-    tk = np.asarray(top_ks).astype(np.int64)
+    tk = np.asarray(top_ks).astype(np.int64, copy=False)
     n, N = drafts.shape
     if mask.shape != (n,) or sup.shape != (n, N, MAX_TOP_K) or q.shape != (n, N, MAX_TOP_K):
         raise ReplyValueError(f"sampled arrays have shapes {mask.shape}, {sup.shape},"
@@ -563,13 +589,18 @@ class ReplyCheck:
         N = self.num_spec = int(num_spec)
         self.vocab_size = vocab_size
         n = tk.size
-        bound = tk if asked is None else tk * np.asarray(asked, dtype=bool).reshape(tk.shape)
-        D = min(MAX_TOP_K, int(bound.max())) if n else 0
-        self.width = W = min(MAX_TOP_K, (D + 7) & ~7)
+        self.planned = _Planned(tk, None if asked is None
+                                else np.asarray(asked, dtype=bool).reshape(tk.shape))
+        self.width = W = self.planned.W
         self.u: Any = None
+        self.limits: Any = None
         if n and N and W and tk.ndim == 1:
             p = w.plan(n, N, W)
             self.u = _uniforms(seeds, generations, anchor_pos, p.z, p.zt, p.u, p.steps)
+            # Where every position is drafted, position m's q starts at m * 2**24 of the
+            # running sum: each place's base + u is known now, W times over.
+            np.add(p.bases_if_every, self.u, out=p.limit)
+            self.limits = np.repeat(p.limit, W)
 
     def check(self, sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
               draft_ids: ArrayLike, needed: ArrayLike) -> None:
@@ -581,11 +612,14 @@ class ReplyCheck:
         if drafts.shape[1] != self.num_spec:
             raise ReplyValueError(f"draft_ids have shape {drafts.shape}; the request has N ="
                                   f" {self.num_spec}")
-        s, ok = _pass_92(mask, sup, q, drafts, need, self.vocab_size, tk, False, w, self.width)
+        s, ok = _pass_92(mask, sup, q, drafts, need, self.vocab_size, tk, False, w,
+                         self.planned)
         if not ok:
             _raise_first(mask, sup, q, drafts, need, self.vocab_size, tk, w)
-        u = self.u if s.plan is not None and self.width == s.W else None
-        bad, expect, u = s.bad_draws(self.seeds, self.generations, self.anchor_pos, w, u)
+        planned = s.plan is not None and self.width == s.W
+        bad, expect, u = s.bad_draws(self.seeds, self.generations, self.anchor_pos, w,
+                                     self.u if planned else None,
+                                     self.limits if planned else None)
         if not bad.size:
             return
         # A draft outside its support fails 9.2, which comes first: name that one if any.

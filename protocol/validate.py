@@ -143,7 +143,7 @@ class ValuesAhead:
     every entry asked for a draft of all N positions (n_out 0 or at least N); then a reply
     that gives each one status OK, its whole window (``window_rows``: min(W, anchor_pos)) and
     its generation echo (``generation``) has every position drafted, and 6.3 is a few bounds
-    on the whole reply (``_usual_reply``). The arrays view the entries: keep them unchanged
+    on the whole reply (``_usual_reply``). It keeps a view of the entries: keep them unchanged
     until the reply is checked."""
 
     __slots__ = ("entries", "generation", "num_spec", "usual", "window", "window_rows")
@@ -153,9 +153,10 @@ class ValuesAhead:
         self.entries, self.num_spec, self.window = entries, num_spec, window
         self.usual = bool(entries.size and num_spec and (entries["flags"] & RF_NEED_DRAFT).all()
                           and ((n_out - _ONE16) >= num_spec - 1).all())
-        if self.usual:
-            self.window_rows = np.minimum(entries["anchor_pos"], window)
-            self.generation = entries["generation"]
+        if self.usual:  # in the reply's dtypes, contiguous: compared with one pass each
+            self.window_rows = np.minimum(entries["anchor_pos"], window).astype(
+                np.uint16 if window <= 0xFFFF else np.uint32)  # the wire's window_rows: u16
+            self.generation = entries["generation"].astype(np.uint32)
 
     def check(self, reply: StepReply, vocab_size: int) -> npt.NDArray[np.int64]:
         """``check_reply_values(reply, entries, vocab_size=..., window=...)``."""

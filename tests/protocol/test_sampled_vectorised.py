@@ -399,16 +399,45 @@ def test_the_first_offender_of_256_entries_is_named(entry: int) -> None:
 
 
 # -- the check made ahead (ReplyCheck), its edges --------------------------------------------------
+def redraw(r: dict[str, Any]) -> None:
+    """Every drafted position's draft drawn anew from its q (after seeds or anchors change)."""
+    n, N = r["drafts"].shape
+    for i in range(n):
+        for j in range(N):
+            if r["mask"][i] and r["q"][i, j].any():
+                u = splitmix_u(int(r["seeds"][i]), int(r["gens"][i]), int(r["anchors"][i]) + j + 1)
+                r["drafts"][i, j] = sampled.draw(r["sup"][i, j], r["q"][i, j], u)
+
+
+def build_full(seed: int, n: int, N: int) -> dict[str, Any]:
+    """A valid sampled reply of the usual kind: every entry sampled, every position drafted
+    (the check then takes each place's base + u as made ahead)."""
+    r = build(seed, n, N)
+    rng = np.random.default_rng(seed + 1)
+    r["needed"][:] = True
+    r["mask"][:] = 1
+    r["top_ks"] = rng.integers(1, 33, n).astype(np.int32)
+    for i in range(n):
+        for j in range(N):
+            ids, qq = sampled.build_q(rng.normal(size=VOCAB) * 2, int(r["top_ks"][i]), 1.0)
+            r["sup"][i, j], r["q"][i, j] = ids, qq
+    redraw(r)
+    assert rules(r) and draws(r)
+    return r
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 12), N=st.integers(1, 5),
-       muts=mutations(), asked=st.sampled_from(["all", "needed", "more", "fewer"]))
+       muts=mutations(), asked=st.sampled_from(["all", "needed", "more", "fewer"]),
+       full=st.booleans())
 def test_the_check_made_ahead_gives_check_replys_verdict(seed: int, n: int, N: int, muts: Any,
-                                                         asked: str) -> None:
-    """ReplyCheck made from the request (u, the places read) then checking the reply says
-    what check_reply says, whichever entries the request says asked for a draft: all, the
-    ones the reply's statuses let draft, more, or fewer (then a sampled entry can need more
-    places than were planned, and the check plans again)."""
-    r = build(seed, n, N)
+                                                         asked: str, full: bool) -> None:
+    """ReplyCheck made from the request (u, the places read, each place's base + u should
+    every position be drafted) then checking the reply says what check_reply says, whichever
+    entries the request says asked for a draft: all, the ones the reply's statuses let draft,
+    more, or fewer (then a sampled entry can need more places than were planned, and the
+    check plans again)."""
+    r = (build_full if full else build)(seed, n, N)
     mutate(r, muts)
     rng = np.random.default_rng(seed)
     extra = rng.random(n) < 0.5
@@ -420,16 +449,6 @@ def test_the_check_made_ahead_gives_check_replys_verdict(seed: int, n: int, N: i
     got = refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"]))
     assert message(got) == message(refusal(lambda: combined(r)))
     assert message(got) == message(refusal(lambda: in_turn(r)))
-
-
-def redraw(r: dict[str, Any]) -> None:
-    """Every drafted position's draft drawn anew from its q (after seeds or anchors change)."""
-    n, N = r["drafts"].shape
-    for i in range(n):
-        for j in range(N):
-            if r["mask"][i] and r["q"][i, j].any():
-                u = splitmix_u(int(r["seeds"][i]), int(r["gens"][i]), int(r["anchors"][i]) + j + 1)
-                r["drafts"][i, j] = sampled.draw(r["sup"][i, j], r["q"][i, j], u)
 
 
 @pytest.mark.parametrize("anchor", [2**32 - 6, 2**32 - 3, 2**32 - 1, 2**32 + 5])
@@ -480,3 +499,23 @@ def test_vocabularies_too_wide_for_32_bit_sort_keys(vocab: int) -> None:
     r["sup"][i, j, 1] = -1
     got = verdict()
     assert got is not None and "support id -1 outside" in got
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_wrong_draw_where_every_position_is_drafted_is_named(seed: int) -> None:
+    """The usual reply (every position drafted) is checked against each place's base + u
+    made ahead: a draft that is another of its support ids, anywhere, is named."""
+    r = build_full(seed, 32, 7)
+    ahead = sampled.ReplyCheck(r["seeds"], r["gens"], r["anchors"], r["top_ks"], 7, VOCAB)
+    assert ahead.limits is not None
+    assert refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"],
+                                       r["needed"])) is None
+    rng = np.random.default_rng(seed)
+    two = np.argwhere((r["q"] > 0).sum(axis=-1) > 1)
+    i, j = (int(x) for x in two[rng.integers(len(two))])
+    ids = r["sup"][i, j][r["q"][i, j] > 0]
+    r["drafts"][i, j] = ids[ids != r["drafts"][i, j]][0]
+    err = refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"]))
+    assert err is not None and (err.entry, err.position) == (i, j)
+    assert "is not the draw" in str(err)
+    assert message(err) == message(refusal(lambda: in_turn(r)))
