@@ -11,6 +11,7 @@ the reply. Run:
     python bench/bench_client.py --json     # machine-readable
     python bench/bench_client.py --quick    # fewer iterations (CI smoke)
     python bench/bench_client.py --rtt-us 0 # without the round-trip column
+    python bench/bench_client.py --live 100 # step() against a real worker: client time per STEP
 
 Target (issue): <= 100 us per step() at 256 entries, N = 7, greedy.
 """
@@ -207,6 +208,55 @@ def bench_step(n: int, sampled: bool, seconds: float, rtt_us: float = 0.0) -> di
             "parts": {k: round(v["median_us"], 1) for k, v in parts.items()}}
 
 
+def bench_live(n: int, steps: int, top_k: int) -> dict[str, Any]:
+    """``step()`` against a real worker process over TCP on loopback (the embedded reference
+    drafter on the CPU, one intra-op thread): every entry RF_RESET with one row (so every STEP
+    re-applies the same window) and RF_NEED_DRAFT, sampled with ``top_k`` (0: greedy). The
+    client's own time per STEP is its ``client_us_total`` counter: the STEP's time in
+    ``step()`` less the round trip (send to reply), so work done inside the round trip is not
+    in it."""
+    import importlib.util
+
+    from dspark_client.hello import hello_from_checkpoint
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "tests"))
+    from support.worker_proc import start_worker
+
+    spec = importlib.util.find_spec("dspark_worker")
+    assert spec is not None and spec.submodule_search_locations
+    drafter = os.path.join(spec.submodule_search_locations[0], "drafter", "reference")
+    with start_worker("--max-total-slots", str(max(n, 256)), "--max-slots", str(max(n, 1)),
+                      "--metrics-listen", "none", "--log-level", "WARNING") as w:
+        hello = hello_from_checkpoint(drafter, window=1024, max_slots=n, sampled=top_k > 0,
+                                      client_name="bench-live")
+        client = RemoteDraftClient(RemoteConfig(endpoint=f"tcp://{w.host}:{w.port}",
+                                                timeout_ms=60_000), hello)
+        assert client.wait_ready(30.0), client.last_error
+        kw: dict[str, Any] = dict(top_k=top_k, temperature=0.8, top_p=0.95) if top_k else {}
+        entries = [wire.ReqEntry(slot=i, generation=1, anchor_pos=1, anchor_token=i % 256,
+                                 n_rows=1, flags=wire.RF_NEED_DRAFT | wire.RF_RESET,
+                                 **({**kw, "seed": 1000 + i} if kw else {})) for i in range(n)]
+        rows = np.random.default_rng(0).integers(0, 256, (n, hello.row_bytes), dtype=np.uint8)
+        rows.view(np.uint16)[:] &= 0x3FFF  # finite bf16 values
+        buf = bytearray(1 << 20)
+        for step in range(1, 6):  # warm-up
+            out = client.step(buf, entries, n, step, rows=rows)
+            assert out.ok, (out.reason, client.stats.get("last_bad_reply"))
+        before = client.stats.snapshot()
+        rtts = []
+        for step in range(6, 6 + steps):
+            out = client.step(buf, entries, n, step, rows=rows)
+            assert out.ok, (out.reason, client.stats.get("last_bad_reply"))
+            rtts.append(out.rtt_us)
+        after = client.stats.snapshot()
+        client.close()
+    good = after["steps_ok"] - before.get("steps_ok", 0)
+    return {"what": "live", "n": n, "N": hello.num_spec, "top_k": top_k, "steps": good,
+            "client_us": (after["client_us_total"] - before.get("client_us_total", 0)) / good,
+            "rtt_p50_us": statistics.median(rtts)}
+
+
 def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3) -> dict[str, Any]:
     stub = StubTransport(hello_reply(max(n, 1)))
     cfg = RemoteConfig(endpoint="tcp://127.0.0.1:9", timeout_ms=1000)
@@ -267,8 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtt-us", type=float, default=500.0,
                    help="also time step() against a stub that answers this long after the"
                         " send, and report what step() adds to that round trip (0: not)")
+    p.add_argument("--live", type=int, default=0, metavar="STEPS",
+                   help="instead: STEPS STEPs of 256 entries against a real worker process,"
+                        " greedy and sampled, and the client's own time per STEP")
     args = p.parse_args(argv)
     TOP_K = args.top_k
+    if args.live:
+        for tk in (0, TOP_K):
+            r = bench_live(256, args.live, tk)
+            print(f"live {'sampled' if tk else 'greedy':<8} n {r['n']}: client {r['client_us']:.1f}"
+                  f" us per STEP outside the round trip (rtt p50 {r['rtt_p50_us'] / 1e3:.1f} ms,"
+                  f" {r['steps']} STEPs)")
+        return 0
     seconds = 0.1 if args.quick else 1.0
     results = []
     for sampled in (False, True):

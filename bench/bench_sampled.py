@@ -1,6 +1,8 @@
 """The client's sampled-reply checks (docs/contract.md 9.2 and 9.3) at 1, 64 and 256 entries,
 N = 7: ``protocol.sampled.validate``, ``check_draws`` and the one-pass ``check_reply`` the client
-runs (at a revision without it: the two in turn), as they are and optionally as they were at a
+runs (at a revision without it: the two in turn), and where there is ``ReplyCheck`` the same in
+its two parts, ``ahead`` (made from the request: every u) and ``check`` (the reply; what is
+left on the round's critical path), as they are and optionally as they were at a
 git revision (loaded from ``git show REV:protocol/sampled.py``), timed alternately in one process
 so that their ratio is measured under the same load.
 
@@ -82,11 +84,12 @@ def main() -> None:
     print(f"median us per call, N = {bc.N}; each figure the median of {args.rounds} rounds,"
           " implementations alternating")
     print(f"top_k {bc.TOP_K}")
-    print(f"{'n':>4} {'impl':>10} | {'validate':>9} {'check_draws':>11} {'check_reply':>11}")
+    print(f"{'n':>4} {'impl':>10} | {'validate':>9} {'check_draws':>11} {'check_reply':>11}"
+          f" {'ahead':>7} {'check':>7}")
     for n in (1, 64, 256):
         reply, sent = case(n)
         needed = np.ones(n, bool)
-        res: dict[str, list[tuple[float, float, float]]] = {k: [] for k in impls}
+        res: dict[str, list[tuple[float, ...]]] = {k: [] for k in impls}
         for _ in range(args.rounds):
             for name, mod in impls.items():
                 # Scratch arrays kept between calls where the revision has them (as the client)
@@ -99,10 +102,25 @@ def main() -> None:
                     s["generation"], s["anchor_pos"], **kw), args.seconds / 3)
                 b = timed(lambda mod=mod, r=reply, s=sent, nd=needed, kw=kw: both(
                     mod, r, s, nd, kw), args.seconds / 3)
-                res[name].append((v, c, b))
+                a = k = float("nan")
+                if hasattr(mod, "ReplyCheck"):  # check_reply in its two parts
+                    a = timed(lambda mod=mod, s=sent, kw=kw, n=n: ahead(mod, s, n, kw),
+                              args.seconds / 3)
+                    made = ahead(mod, sent, n, kw)
+                    k = timed(lambda made=made, r=reply, nd=needed: made.check(
+                        r.sampled_mask, r.support_ids, r.proposal_q, r.draft_ids, nd),
+                        args.seconds / 3)
+                res[name].append((v, c, b, a, k))
         for name in impls:
-            v, c, b = (statistics.median(x[k] for x in res[name]) for k in range(3))
-            print(f"{n:>4} {name:>10} | {v:>9.1f} {c:>11.1f} {b:>11.1f}")
+            v, c, b, a, k = (statistics.median(x[i] for x in res[name]) for i in range(5))
+            print(f"{n:>4} {name:>10} | {v:>9.1f} {c:>11.1f} {b:>11.1f} {a:>7.1f} {k:>7.1f}")
+
+
+def ahead(mod: ModuleType, s: Any, n: int, kw: dict[str, Any]) -> Any:
+    """The request's part, made before the reply is in (what the client does in the round
+    trip)."""
+    return mod.ReplyCheck(s["seed"], s["generation"], s["anchor_pos"], s["top_k"], bc.N,
+                          bc.VOCAB, asked=np.ones(n, bool), **kw)
 
 
 def both(mod: ModuleType, r: Any, s: Any, needed: Any, kw: dict[str, Any]) -> None:
