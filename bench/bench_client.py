@@ -13,6 +13,9 @@ the reply. Run:
     python bench/bench_client.py --rtt-us 0 # without the round-trip column
     python bench/bench_client.py --live 100 # step() against a real worker: client time per STEP
 
+The script runs unchanged at an older revision of the project (copy it into that checkout's
+bench/), which is how before-and-after figures are taken.
+
 Target (issue): <= 100 us per step() at 256 entries, N = 7, greedy.
 """
 
@@ -195,9 +198,10 @@ def bench_step(n: int, sampled: bool, seconds: float, rtt_us: float = 0.0) -> di
         assert reply.proposal_q is not None
         needed = np.ones(n, bool)
         scratch = psampled.Scratch()
-        parts["sampled.ReplyCheck"] = timeit(lambda: psampled.ReplyCheck(
-            sent["seed"], sent["generation"], sent["anchor_pos"], sent["top_k"], N, VOCAB,
-            scratch=scratch), seconds / 4)
+        if hasattr(psampled, "ReplyCheck"):  # absent at older revisions
+            parts["sampled.ReplyCheck"] = timeit(lambda: psampled.ReplyCheck(
+                sent["seed"], sent["generation"], sent["anchor_pos"], sent["top_k"], N, VOCAB,
+                scratch=scratch), seconds / 4)
         parts["sampled.check_reply"] = timeit(lambda: psampled.check_reply(
             reply.sampled_mask, reply.support_ids, reply.proposal_q, reply.draft_ids, needed,
             VOCAB, sent["top_k"], sent["seed"], sent["generation"], sent["anchor_pos"],

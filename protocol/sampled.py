@@ -195,10 +195,11 @@ _HALVES: dict[int, np.dtype[Any]] = {}
 
 class _Plan:
     """The arrays the checks of one reply shape use (n entries of N positions, W places read
-    of each, M = n * N positions, P = M * W places), made once. When W < MAX_TOP_K, ``ids`` and
-    ``q`` hold copies of each position's first W places; ``q`` then becomes the running sum
-    in place. ``work`` serves one rule after another: the rest of each row, the draws'
-    differences, the sort keys."""
+    of each, M = n * N positions, P = M * W places), made once, with the views the rules use
+    (so a check makes few new arrays). When W < MAX_TOP_K, ``ids`` and ``q`` hold copies of
+    each position's first W places and ``rest`` the other places; ``q`` then becomes the
+    running sum in place. ``work`` serves one rule after the other: the sort keys, then the
+    draws' differences; ``t1`` likewise holds one rule's marks at a time."""
 
     def __init__(self, n: int, N: int, W: int) -> None:
         M = n * N
@@ -231,7 +232,7 @@ class _Plan:
         self.base_next, self.ends_prev = self.base[1:], self.ends[:-1]
         self.T = np.empty(M, np.uint32)
         self.work = np.empty(self.Mp * W, np.uint32)
-        self.work_P, self.work_signed = self.work[:P], self.work[:P].view(np.int32)
+        self.work_P = self.work[:P]
         self.acc = np.empty(M, np.uint64)
         self.starts = np.arange(0, P, W, dtype=np.int64)
         self.z = np.empty((n, N), np.uint64)
@@ -320,7 +321,7 @@ class _Scan:
         else:
             if u is None:
                 u = _uniforms(seeds, generations, anchor_pos, p.z, p.zt, p.u, p.steps)
-            expect = self.draws(u, p.work[:M * W], p.t1P, p.acc, p.starts,
+            expect = self.draws(u, p.work_P, p.t1P, p.acc, p.starts,
                                 limits if self.drafted is self.every else None)
         wrong = expect != self.d
         if self.drafted is not self.every:
