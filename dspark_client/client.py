@@ -882,7 +882,7 @@ class RemoteDraftClient:
     def step(
         self,
         buf: bytearray | memoryview,
-        entries: Sequence[wire.ReqEntry],
+        entries: Sequence[wire.ReqEntry] | npt.NDArray[Any],
         n_rows: int,
         step_id: int,
         step_flags: int = 0,
@@ -902,7 +902,8 @@ class RemoteDraftClient:
         ``epoch``: the connection epoch the entries were built for; when the connection is
         newer the STEP is not sent (reason "reconnected": its slots were never resynced).
         ``sample_meta``: per entry ``(seed, top_k, temperature, top_p)``, overriding the
-        entries' sampling fields."""
+        entries' sampling fields. ``entries`` may also be a one-dimensional
+        ``wire.ENTRY_DTYPE`` array (``wire.pack_step_prefix``), copied in whole."""
         if self.disabled or self._forked():
             return StepOutcome(False, reason="disabled")
         with self._lock:
@@ -921,7 +922,8 @@ class RemoteDraftClient:
         timeout = self.cfg.timeout_ms / 1000.0
         t_start = time.perf_counter()
         ro = wire.pack_step_prefix(buf, wire.APP_HEADER_SIZE, step_id,
-                                   entries if isinstance(entries, list) else list(entries),
+                                   entries if isinstance(entries, (list, np.ndarray))
+                                   else list(entries),
                                    n_rows, row_bytes, step_flags, sample_meta=sample_meta)
         body_len = ro + n_rows * row_bytes
         shm_at = self._rows_at(conn, rows, n_rows * row_bytes) if n_rows else None
@@ -1017,8 +1019,8 @@ class RemoteDraftClient:
         return at
 
     def _check_step_reply(self, size: int, seq: int, session: int, step_id: int,
-                          entries: Sequence[wire.ReqEntry], sent: np.ndarray,
-                          rtt_us: float, body_len: int = 0,
+                          entries: Sequence[wire.ReqEntry] | npt.NDArray[Any],
+                          sent: np.ndarray, rtt_us: float, body_len: int = 0,
                           ahead: _Ahead | None = None) -> StepOutcome:
         hello = self.hello
         try:

@@ -472,6 +472,27 @@ def test_a_failure_while_waiting_is_made_good_when_the_reply_is_in(
     assert "is not the draw" in str(sampled_client.stats.get("last_bad_reply"))
 
 
+def test_step_takes_its_entries_as_an_array(fw: FakeWorker,
+                                           sampled_client: RemoteDraftClient) -> None:
+    """Entries laid out ahead (an ENTRY_DTYPE array) make the same STEP as the objects, and
+    its reply passes the same checks."""
+    es = [entry(0, 3, 8, 5, 8, flags=wire.RF_NEED_DRAFT | wire.RF_RESET, seed=42, top_k=8,
+                temperature=0.8, top_p=0.95),
+          entry(1, 4, 6, 7, 6, flags=wire.RF_NEED_DRAFT | wire.RF_RESET)]
+    rows = np.concatenate([rows_for(0, 3, 0, 8), rows_for(1, 4, 0, 6)])
+    scratch = bytearray(wire.rows_offset_for(2))
+    wire.pack_step_prefix(scratch, 0, 1, es, 14, rows.shape[1])
+    arr = np.frombuffer(scratch, wire.ENTRY_DTYPE, count=2,
+                        offset=wire.STEP_HEADER_SIZE).copy()
+    by_objects = sampled_client.step(bytearray(4096), es, 14, 1, rows=rows)
+    by_array = sampled_client.step(bytearray(4096), arr, 14, 2, rows=rows)
+    assert by_objects.ok and by_array.ok, sampled_client.stats.get("last_bad_reply")
+    assert by_array.reply is not None and by_objects.reply is not None
+    assert np.array_equal(by_array.reply.draft_ids, by_objects.reply.draft_ids)
+    bodies = [body for _, h, body in fw.frames if h.op == wire.OP_STEP]
+    assert bytes(bodies[-1])[8:] == bytes(bodies[-2])[8:]  # all but the step_id
+
+
 def test_sampled_session_refuses_reply_without_q() -> None:
     with FakeWorker() as fw:
         c = RemoteDraftClient(cfg(fw.endpoint), make_hello(sampled=True))

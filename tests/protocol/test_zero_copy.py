@@ -9,6 +9,7 @@ from protocol.constants import APP_HEADER_SIZE, OP_STEP, RPF_MARGIN, RPF_SAMPLED
 from protocol.framing import FrameDecoder, frame, split_frame
 from protocol.header import AppHeader
 from protocol.messages import (
+    ENTRY_DTYPE,
     ReqEntry,
     StepReply,
     decode_step,
@@ -126,3 +127,61 @@ def test_pack_step_prefix_into_a_memoryview_slice() -> None:
     pack_step_prefix(memoryview(head), APP_HEADER_SIZE, 11, ENTRIES, N_ROWS, ROW_BYTES)
     AppHeader(op=OP_STEP, seq=3, session=7, body_len=ro + rows.nbytes).pack_into(head, 0)
     assert bytes(head) + rows.tobytes() == bytes(_step_frame())
+
+
+def _entries_array(entries: list[ReqEntry]) -> np.ndarray:
+    """The entries as an ENTRY_DTYPE array, as an engine that keeps its requests' fields in
+    arrays would fill one."""
+    out = np.zeros(len(entries), ENTRY_DTYPE)
+    for name in ("slot", "generation", "anchor_pos", "anchor_token", "n_rows", "n_out", "flags",
+                 "seed", "top_k", "temperature", "top_p"):
+        out[name] = [getattr(e, name) & 0xFFFFFFFF if name == "generation" else getattr(e, name)
+                     for e in entries]
+    return out
+
+
+def test_pack_step_prefix_takes_an_entries_array() -> None:
+    """An ENTRY_DTYPE array goes in whole: the same bytes as the objects give, reserved fields
+    written as zeros whatever the array holds there."""
+    sampled = [*ENTRIES, ReqEntry(slot=7, generation=(1 << 32) + 5, anchor_pos=2,
+                                  anchor_token=3, flags=1, seed=2**64 - 1, top_k=32,
+                                  temperature=0.7, top_p=0.9)]
+    ro = rows_offset_for(len(sampled))
+    want = bytearray(b"\x5a" * (ro + 8))
+    pack_step_prefix(want, 0, 11, sampled, N_ROWS, ROW_BYTES)
+    arr = _entries_array(sampled)
+    arr["reserved0"] = 0xBEEF
+    arr["reserved1"] = 7
+    got = bytearray(b"\x5a" * (ro + 8))
+    assert pack_step_prefix(got, 0, 11, arr, N_ROWS, ROW_BYTES) == ro
+    assert got == want
+    assert arr["reserved0"][0] == 0xBEEF  # the caller's array is left as it was
+    spaced = np.zeros(2 * len(sampled), ENTRY_DTYPE)  # a strided view is copied field by field
+    spaced[::2] = arr
+    got[:] = b"\x5a" * len(got)
+    pack_step_prefix(got, 0, 11, spaced[::2], N_ROWS, ROW_BYTES)
+    assert got == want
+
+
+@pytest.mark.parametrize("bad, words", [
+    (lambda a: a.astype([(n, "<f8" if n == "temperature" else a.dtype.fields[n][0])
+                         for n in a.dtype.names]), "dtype"),
+    (lambda a: a[["slot", "generation"]], "dtype"),
+    (lambda a: a.reshape(1, -1), "shape (1, 2)"),
+])
+def test_pack_step_prefix_refuses_an_entries_array_of_another_layout(bad: object,
+                                                                     words: str) -> None:
+    buf = bytearray(rows_offset_for(2))
+    with pytest.raises(ValueError, match=r"ENTRY_DTYPE") as info:
+        pack_step_prefix(buf, 0, 1, bad(_entries_array(ENTRIES)), N_ROWS, ROW_BYTES)  # type: ignore[operator]
+    assert words in str(info.value)
+    assert buf == bytearray(rows_offset_for(2))  # nothing written
+
+
+def test_pack_step_prefix_checks_an_entries_arrays_row_count() -> None:
+    buf = bytearray(rows_offset_for(2))
+    with pytest.raises(ValueError, match="entries carry 5 rows in all, but n_rows is 4"):
+        pack_step_prefix(buf, 0, 1, _entries_array(ENTRIES), 4, ROW_BYTES)
+    with pytest.raises(ValueError, match="sample_meta"):
+        pack_step_prefix(buf, 0, 1, _entries_array(ENTRIES), N_ROWS, ROW_BYTES,
+                         sample_meta=[(0, 0, 0.0, 0.0)] * 2)
