@@ -12,6 +12,7 @@ the reply. Run:
     python bench/bench_client.py --quick    # fewer iterations (CI smoke)
     python bench/bench_client.py --rtt-us 0 # without the round-trip column
     python bench/bench_client.py --live 100 # step() against a real worker: client time per STEP
+    python bench/bench_client.py --after-sleep 0,5,50  # the same against the stub, after a wait
 
 The script runs unchanged at an older revision of the project (copy it into that checkout's
 bench/), which is how before-and-after figures are taken.
@@ -61,6 +62,7 @@ class StubTransport:
         self.hello_reply = hello_reply
         self.step_reply = b""
         self.rtt_us = 0.0
+        self.sleep_s = 0.0
 
     def connect(self, timeout: float) -> None:
         pass
@@ -77,6 +79,8 @@ class StubTransport:
             until = sent_at + self.rtt_us * 1e-6
             while time.perf_counter() < until:
                 pass
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
         head = parts[0]
         h = wire.AppHeader.unpack(head)
         if h.op != wire.OP_STEP:  # HELLO, and GOODBYE when the client closes
@@ -283,6 +287,32 @@ def bench_live(n: int, steps: int, top_k: int) -> dict[str, Any]:
             "rtt_p50_us": statistics.median(rtts)}
 
 
+def bench_after_sleep(n: int, sleep_ms: float, steps: int) -> dict[str, Any]:
+    """Sampled ``step()`` against the stub, which sleeps ``sleep_ms`` between the request and
+    the reply (a wait in ``recv`` of that long): the client's own time per STEP, from its
+    ``client_us_total`` counter (its time in ``step()`` outside the round trip)."""
+    stub = StubTransport(hello_reply(n))
+    cfg = RemoteConfig(endpoint="tcp://127.0.0.1:9", timeout_ms=1000)
+    client = RemoteDraftClient(cfg, hello(n, True), background=False,
+                               transport_factory=lambda ep: stub)
+    assert client.connect_now()
+    entries = make_entries(n, True, rows_per_entry=1)
+    stub.step_reply = make_reply(1, entries, True, client.session)
+    rows = np.zeros((n, ROW_BYTES), np.uint8)
+    buf = bytearray(1 << 20)
+    stub.sleep_s = sleep_ms / 1e3
+    for _ in range(5):
+        client.step(buf, entries, n, 1, rows=rows)
+    before = client.stats.snapshot()
+    for _ in range(steps):
+        client.step(buf, entries, n, 1, rows=rows)
+    after = client.stats.snapshot()
+    client.close()
+    good = after["steps_ok"] - before["steps_ok"]
+    return {"sleep_ms": sleep_ms, "client_us":
+            (after["client_us_total"] - before["client_us_total"]) / good}
+
+
 def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3) -> dict[str, Any]:
     stub = StubTransport(hello_reply(max(n, 1)))
     cfg = RemoteConfig(endpoint="tcp://127.0.0.1:9", timeout_ms=1000)
@@ -346,8 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--live", type=int, default=0, metavar="STEPS",
                    help="instead: STEPS STEPs of 256 entries against a real worker process,"
                         " greedy and sampled, and the client's own time per STEP")
+    p.add_argument("--after-sleep", type=str, default="", metavar="MS,MS",
+                   help="instead: sampled step() at 256 entries when the stub sleeps this many"
+                        " ms before it answers (0 = not), the client's own time per STEP")
     args = p.parse_args(argv)
     TOP_K = args.top_k
+    if args.after_sleep:
+        for ms in (float(x) for x in args.after_sleep.split(",")):
+            r = bench_after_sleep(256, ms, max(20, min(200, int(2000 / max(ms, 1.0)))))
+            print(f"sampled n 256, reply {ms:g} ms after the request: client {r['client_us']:.1f}"
+                  " us per STEP outside the round trip")
+        return 0
     if args.live:
         for tk in (0, TOP_K):
             r = bench_live(256, args.live, tk)
