@@ -23,6 +23,7 @@ Target (issue): <= 100 us per step() at 256 entries, N = 7, greedy.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -189,11 +190,7 @@ def takes_arrays() -> bool:
 
 def bench_step(n: int, sampled: bool, seconds: float, rtt_us: float = 0.0,
                as_array: bool = False) -> dict[str, Any]:
-    stub = StubTransport(hello_reply(max(n, 1)))
-    cfg = RemoteConfig(endpoint="tcp://127.0.0.1:9", timeout_ms=1000)
-    client = RemoteDraftClient(cfg, hello(max(n, 1), sampled), background=False,
-                               transport_factory=lambda ep: stub)
-    assert client.connect_now()
+    stub, client = stub_client(n, sampled)
     objects = make_entries(n, sampled, rows_per_entry=1)
     stub.step_reply = make_reply(1, objects, sampled, client.session)
     entries: Any = entries_array(objects) if as_array else objects
@@ -273,29 +270,19 @@ def bench_live(n: int, steps: int, top_k: int) -> dict[str, Any]:
         for step in range(1, 6):  # warm-up
             out = client.step(buf, entries, n, step, rows=rows)
             assert out.ok, (out.reason, client.stats.get("last_bad_reply"))
-        before = client.stats.snapshot()
-        rtts = []
-        for step in range(6, 6 + steps):
-            out = client.step(buf, entries, n, step, rows=rows)
-            assert out.ok, (out.reason, client.stats.get("last_bad_reply"))
-            rtts.append(out.rtt_us)
-        after = client.stats.snapshot()
+        ids = itertools.count(6)  # a new step_id each STEP
+        us, outs = client_us_per_step(
+            client, lambda: client.step(buf, entries, n, next(ids), rows=rows), steps)
         client.close()
-    good = after["steps_ok"] - before.get("steps_ok", 0)
-    return {"what": "live", "n": n, "N": hello.num_spec, "top_k": top_k, "steps": good,
-            "client_us": (after["client_us_total"] - before.get("client_us_total", 0)) / good,
-            "rtt_p50_us": statistics.median(rtts)}
+    return {"what": "live", "n": n, "N": hello.num_spec, "top_k": top_k, "steps": steps,
+            "client_us": us, "rtt_p50_us": statistics.median(o.rtt_us for o in outs)}
 
 
 def bench_after_sleep(n: int, sleep_ms: float, steps: int) -> dict[str, Any]:
     """Sampled ``step()`` against the stub, which sleeps ``sleep_ms`` between the request and
     the reply (a wait in ``recv`` of that long): the client's own time per STEP, from its
     ``client_us_total`` counter (its time in ``step()`` outside the round trip)."""
-    stub = StubTransport(hello_reply(n))
-    cfg = RemoteConfig(endpoint="tcp://127.0.0.1:9", timeout_ms=1000)
-    client = RemoteDraftClient(cfg, hello(n, True), background=False,
-                               transport_factory=lambda ep: stub)
-    assert client.connect_now()
+    stub, client = stub_client(n, True)
     entries = make_entries(n, True, rows_per_entry=1)
     stub.step_reply = make_reply(1, entries, True, client.session)
     rows = np.zeros((n, ROW_BYTES), np.uint8)
@@ -303,22 +290,39 @@ def bench_after_sleep(n: int, sleep_ms: float, steps: int) -> dict[str, Any]:
     stub.sleep_s = sleep_ms / 1e3
     for _ in range(5):
         client.step(buf, entries, n, 1, rows=rows)
-    before = client.stats.snapshot()
-    for _ in range(steps):
-        client.step(buf, entries, n, 1, rows=rows)
-    after = client.stats.snapshot()
+    us, _ = client_us_per_step(client, lambda: client.step(buf, entries, n, 1, rows=rows),
+                               steps)
     client.close()
-    good = after["steps_ok"] - before["steps_ok"]
-    return {"sleep_ms": sleep_ms, "client_us":
-            (after["client_us_total"] - before["client_us_total"]) / good}
+    return {"sleep_ms": sleep_ms, "client_us": us}
 
 
-def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3) -> dict[str, Any]:
+def stub_client(n: int, sampled: bool) -> tuple[StubTransport, RemoteDraftClient]:
+    """A client of n slots connected to a stub transport (no background thread)."""
     stub = StubTransport(hello_reply(max(n, 1)))
     cfg = RemoteConfig(endpoint="tcp://127.0.0.1:9", timeout_ms=1000)
     client = RemoteDraftClient(cfg, hello(max(n, 1), sampled), background=False,
                                transport_factory=lambda ep: stub)
     assert client.connect_now()
+    return stub, client
+
+
+def client_us_per_step(client: RemoteDraftClient, step: Callable[[], Any],
+                       steps: int) -> tuple[float, list[Any]]:
+    """``steps`` calls of ``step`` (each a good STEP): the client's own time per STEP from its
+    ``client_us_total`` counter (its time in ``step()`` outside the round trip), and the
+    outcomes."""
+    before = client.stats.snapshot()
+    outs = [step() for _ in range(steps)]
+    after = client.stats.snapshot()
+    good = after["steps_ok"] - before.get("steps_ok", 0)
+    if good != steps:
+        raise RuntimeError(f"{steps - good} of {steps} STEPs failed:"
+                           f" {client.stats.get('last_bad_reply')}")
+    return (after["client_us_total"] - before.get("client_us_total", 0)) / good, outs
+
+
+def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3) -> dict[str, Any]:
+    stub, client = stub_client(n, sampled)
     rounds = DraftRounds(client)
     k = accepted + 1
     kw: dict[str, Any] = dict(seed=0, top_k=TOP_K, temperature=0.8, top_p=0.95) if sampled \
