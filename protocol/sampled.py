@@ -227,9 +227,7 @@ class _Plan:
         self.marks = self.t1P.reshape(M, W)
         self.words = self.marks.view(np.uint64)  # [M, W / 8]: what _row_counts adds
         self.q_lo, self.q_hi = self.q[:-1], self.q[1:]
-        self.ends = self.q[W - 1::W]  # once q is the running sum: its value at each end
-        self.base = np.zeros(M, np.uint32)  # base[0] stays 0
-        self.base_next, self.ends_prev = self.base[1:], self.ends[:-1]
+        self.base = np.empty(M, np.uint32)
         self.T = np.empty(M, np.uint32)
         self.work = np.empty(self.Mp * W, np.uint32)
         self.work_P = self.work[:P]
@@ -275,15 +273,15 @@ class _Scan:
         self.C: Any = None
         self.base: Any = None
 
-    def sums(self, q: Any, out: Any, base: Any) -> Any:
-        """Set C (into ``out``, which may be q itself) and base from the flat q ``[M * W]``;
-        return each position's q total."""
+    def sums(self, q: Any, out: Any, base: Any, totals: Any) -> Any:
+        """Set C (into ``out``, which may be q itself) and base (into ``base``) from the flat
+        q ``[M * W]``; return each position's q total (into ``totals``)."""
         self.C = np.cumsum(q, dtype=out.dtype, out=out)
         ends = self.C[self.W - 1::self.W]
         self.base = base
         base[:1] = 0
         base[1:] = ends[:-1]
-        return ends - base
+        return np.subtract(ends, base, out=totals)
 
     def draws(self, u: Any, work: Any, below: Any, acc: Any, starts: Any,
               limits: Any = None) -> Any:
@@ -452,10 +450,7 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
     if D > 1 and _repeats(s.ids, qf, p, vocab_size):
         return s, False
     # The running sum, over q's own copy when it has one (q is not read again).
-    s.C = np.cumsum(qf, dtype=np.uint32, out=p.q)
-    s.base = p.base
-    np.copyto(p.base_next, p.ends_prev)
-    T = np.subtract(p.ends, p.base, out=p.T)
+    T = s.sums(qf, p.q, p.base, p.T)
     full = T == Q_TOTAL
     if full.all() and sampled.all():  # the usual reply: every position drafted
         s.drafted = s.every = full
@@ -616,7 +611,7 @@ class ReplyCheck:
         s, ok = _pass_92(mask, sup, q, drafts, need, self.vocab_size, tk, False, w,
                          self.planned)
         if not ok:
-            _raise_first(mask, sup, q, drafts, need, self.vocab_size, tk, w)
+            _raise_first(mask, sup, q, drafts, need, self.vocab_size, tk)
         planned = s.plan is not None and self.width == s.W
         bad, expect, u = s.bad_draws(self.seeds, self.generations, self.anchor_pos, w,
                                      self.u if planned else None,
@@ -625,7 +620,7 @@ class ReplyCheck:
             return
         # A draft outside its support fails 9.2, which comes first: name that one if any.
         if not _members(s.ids, s.used, s.d, cast(_Plan, s.plan))[bad].all():  # drafted: planned
-            _raise_first(mask, sup, q, drafts, need, self.vocab_size, tk, w)
+            _raise_first(mask, sup, q, drafts, need, self.vocab_size, tk)
         _raise_draw(int(bad[0]), s.N, s.d, expect, u, self.seeds, self.generations,
                     self.anchor_pos)
 
@@ -640,7 +635,7 @@ def _checked_92(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
     s, ok = _pass_92(mask, sup, q, drafts, need, vocab_size, tk, member, w)
 
     def refuse() -> None:
-        _raise_first(mask, sup, q, drafts, need, vocab_size, tk, w)
+        _raise_first(mask, sup, q, drafts, need, vocab_size, tk)
 
     if not ok:
         refuse()
@@ -707,7 +702,8 @@ def check_draws(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
     ids, q, _ = _wire_arrays(support_ids, proposal_q, 1 << 31)
     s = _Scan(drafts.reshape(-1), N, MAX_TOP_K)
     s.ids = ids
-    T = s.sums(q, w.get("C64", np.int64, q.size), np.empty(s.M, np.int64))
+    T = s.sums(q, w.get("C64", np.int64, q.size), np.empty(s.M, np.int64),
+               np.empty(s.M, np.int64))
     s.drafted = (T > 0) & np.repeat(mask, N)
     bad, expect, u = s.bad_draws(seeds, generations, anchor_pos, w)
     if bad.size:
@@ -715,7 +711,7 @@ def check_draws(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: Arr
 
 
 def _raise_first(mask: Any, sup: Any, q: Any, drafts: Any, need: Any, vocab_size: int,
-                 tk: Any, w: Scratch) -> NoReturn:
+                 tk: Any) -> NoReturn:
     """Name the first offender of section 9.2 (the failure path only: the one pass has refused
     the reply). The rules hold entry by entry, so whether the first k entries pass is monotone
     in k: a binary search with the one pass finds the first failing entry, and ``_explain``

@@ -101,10 +101,9 @@ def check_reply_values(reply: StepReply, entries: Sequence[ReqEntry] | npt.NDArr
     ``j < k`` carry an id in ``[0, vocab_size)``, a confidence in ``[0, 1]`` and a finite margin
     ``>= 0``; every other position carries zeros. NaN fails every comparison, so it fails.
     ``ValuesAhead(...).check`` is the same check with its request-only part done first."""
-    N = reply.num_spec
+    if isinstance(entries, np.ndarray):  # its check begins with the entry count
+        return ValuesAhead(entries, reply.num_spec, window).check(reply, vocab_size)
     _check_n_req(reply, entries)
-    if isinstance(entries, np.ndarray):
-        return ValuesAhead(entries, N, window).check(reply, vocab_size)
     return _values(reply, entries, vocab_size, window)
 
 
