@@ -238,7 +238,7 @@ class _Plan:
         self.u = np.empty(M, np.uint32)
         self.limit = np.empty(M, np.uint32)
         self.bases_if_every = (np.arange(M, dtype=np.uint64) * Q_TOTAL).astype(np.uint32)
-        self.steps = (_steps(N) + _ONE) * _GOLDEN
+        self.steps = _steps_golden(N)
         self.stamps: dict[int, tuple[Any, Any]] = {}
 
     def patterns(self, b: int, dt: Any) -> tuple[Any, Any]:
@@ -313,7 +313,7 @@ class _Scan:
             n = M // self.N
             u = _uniforms(seeds, generations, anchor_pos, np.empty((n, self.N), np.uint64),
                           np.empty(M, np.uint64), np.empty(M, np.uint32),
-                          (_steps(self.N) + _ONE) * _GOLDEN)
+                          _steps_golden(self.N))
             expect = self.draws(u, w.get("work64", np.int64, M * W), w.get("t1", bool, M * W),
                                 np.empty(M, np.uint64), np.arange(0, M * W, W))
         else:
@@ -675,6 +675,12 @@ def _uniforms(seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike, z
 
 def _steps(N: int) -> Any:
     return np.arange(1, N + 1, dtype=np.uint64)
+
+
+def _steps_golden(N: int) -> Any:
+    """``(j + 2) * golden`` for j < N: what ``_uniforms`` adds to an entry's part of the state
+    for its position j (at ``anchor_pos + j + 1``, whose counter + 1 is ``... + j + 2``)."""
+    return (_steps(N) + _ONE) * _GOLDEN
 
 
 def _raise_draw(at: int, N: int, d: Any, expect: Any, u: Any, seeds: ArrayLike,
