@@ -165,7 +165,7 @@ class _Ahead:
         self.asked = (s["flags"] & wire.RF_NEED_DRAFT) != 0
         return ReplyCheck(s["seed"], s["generation"], s["anchor_pos"], s["top_k"],
                           hello.num_spec, hello.vocab_size, asked=self.asked,
-                          scratch=self.client._scratch)
+                          n_out=s["n_out"], scratch=self.client._scratch)
 
 
 class _Shared:

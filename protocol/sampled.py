@@ -236,8 +236,12 @@ class _Plan:
         self.z = np.empty((n, N), np.uint64)
         self.zt = np.empty(M, np.uint64)
         self.u = np.empty(M, np.uint32)
-        self.limit = np.empty(M, np.uint32)
-        self.bases_if_every = (np.arange(M, dtype=np.uint64) * Q_TOTAL).astype(np.uint32)
+        # Where every position is to be drafted (``ReplyCheck``): what each position's first
+        # place gives up before the running sum (``_fold``), and each position's end then.
+        self.delta = np.empty(M, np.uint32)
+        self.ends = np.empty(M, np.uint32)
+        self.q_first, self.q_ends = self.q[::W], self.q[W - 1::W]
+        self.every = np.ones(M, bool)
         self.steps = _steps_golden(N)
         self.stamps: dict[int, tuple[Any, Any]] = {}
 
@@ -259,15 +263,18 @@ class _Scan:
     before each position, which places are used, the drafts, and which positions are drafted.
     In the one pass C is uint32, every q having been checked to be at most 2**24: its
     wrapping differences are then exact (a position's places sum to at most 32 * 2**24 <
-    2**32); ``check_draws``, which reads q unchecked, sums in int64."""
+    2**32); ``check_draws``, which reads q unchecked, sums in int64. ``folded``: C is already
+    each place's running sum within its position less the position's u (``_fold``)."""
 
-    __slots__ = ("C", "M", "N", "W", "base", "d", "drafted", "every", "ids", "plan", "used")
+    __slots__ = ("C", "M", "N", "W", "base", "d", "drafted", "every", "folded", "ids", "plan",
+                 "used")
 
     def __init__(self, d: Any, N: int, W: int, plan: _Plan | None = None) -> None:
         self.d, self.N, self.W, self.plan = d, N, W, plan
         self.M = d.size
         self.drafted: Any = None  # set by a pass that found the reply good
         self.every: Any = None  # drafted, when it is known to be every position
+        self.folded = False
         self.ids: Any = None
         self.used: Any = None
         self.C: Any = None
@@ -283,28 +290,28 @@ class _Scan:
         base[1:] = ends[:-1]
         return np.subtract(ends, base, out=totals)
 
-    def draws(self, u: Any, work: Any, below: Any, acc: Any, starts: Any,
-              limits: Any = None) -> Any:
+    def draws(self, u: Any, work: Any, below: Any, acc: Any, starts: Any) -> Any:
         """Per position the id at its draw: the first place whose running sum exceeds u, i.e.
         the number of places whose running sum within the position is at most u (sums that
         never fall, since q is unsigned): places where ``C - (base + u) <= 0``, read as signed
         (exact for uint32 C: the difference lies within +-2**29). Only drafted positions of a
         reply that passed 9.2 get a meaningful id."""
         M, W = self.M, self.W
-        if limits is None:
+        if self.folded:  # C is that difference already
+            signed = self.C.view(np.int32)
+        else:
             limits = np.repeat(np.add(self.base, u, dtype=self.C.dtype, casting="unsafe"), W)
-        over = np.subtract(self.C, limits, out=work)
-        signed = over.view(np.int32 if over.dtype == np.uint32 else np.int64)
+            over = np.subtract(self.C, limits, out=work)
+            signed = over.view(np.int32 if over.dtype == np.uint32 else np.int64)
         np.less_equal(signed, 0, out=below)
         place = _row_counts(below.reshape(M, W).view(np.uint64), acc)
         place += starts  # W (no place) only where not drafted: any id will do, in range
         return np.take(self.ids, place, mode="clip")
 
     def bad_draws(self, seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike,
-                  w: Scratch, u: Any = None, limits: Any = None) -> tuple[Any, Any, Any]:
+                  w: Scratch, u: Any = None) -> tuple[Any, Any, Any]:
         """The drafted positions (flat) whose draft is not their draw, ascending; with every
-        position's drawn id and u (given, or computed here), for the message. ``limits``:
-        ``base + u`` for each place of a reply with every position drafted, made ahead."""
+        position's drawn id and u (given, or computed here), for the message."""
         if not self.drafted.any():
             return np.zeros(0, np.int64), None, None
         M, W = self.M, self.W
@@ -319,12 +326,27 @@ class _Scan:
         else:
             if u is None:
                 u = _uniforms(seeds, generations, anchor_pos, p.z, p.zt, p.u, p.steps)
-            expect = self.draws(u, p.work_P, p.t1P, p.acc, p.starts,
-                                limits if self.drafted is self.every else None)
+            expect = self.draws(u, p.work_P, p.t1P, p.acc, p.starts)
         wrong = expect != self.d
         if self.drafted is not self.every:
             wrong &= self.drafted
         return np.flatnonzero(wrong), expect, u
+
+
+def _fold(qf: Any, p: _Plan) -> bool:
+    """The running sum where every position is to be drafted, with each position's u taken
+    off as it goes: position m's first q gives up ``delta[m] = 2**24 + u[m] - u[m - 1]``
+    (``u[0]`` for the first), so that the running sum C over q's copy ``qf`` (``p.q``: it is
+    summed in place) reads, at place j of position m, ``C[m, j] - m * 2**24 - u[m]``, C the
+    plain running sum. Every total is 2**24 exactly when each position ends at
+    ``2**24 - u[m]`` (``p.ends``): the totals then telescope (modulo 2**32, and each lies in
+    [0, 2**29) since q <= 2**24). Returns whether they do; the draws then need no base and no
+    u (``_Scan.draws``). When not, q's copy is spent: the caller copies q again."""
+    if qf is not p.q:
+        np.copyto(p.q, qf)
+    np.subtract(p.q_first, p.delta, out=p.q_first)
+    np.cumsum(p.q, out=p.q)
+    return bool((p.q_ends == p.ends).all())
 
 
 def _row_counts(words: Any, acc: Any) -> Any:
@@ -368,9 +390,10 @@ class _Planned:
     those, and W; whether any of them has top_k below W. A reply whose sampled entries are
     among them is read W places deep (any W at least the reply's own gives the same rules)."""
 
-    __slots__ = ("D", "W", "covered", "short", "tk_pos")
+    __slots__ = ("D", "W", "covered", "folded", "short", "tk_pos")
 
     def __init__(self, tk: Any, asked: Any) -> None:
+        self.folded = False  # set by ReplyCheck when it made what _fold needs
         self.tk_pos = tk > 0
         self.covered = self.tk_pos if asked is None else self.tk_pos & asked
         self.D = min(MAX_TOP_K, int((tk * self.covered).max())) if tk.size else 0
@@ -411,8 +434,10 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
     ids, q, fits = _wire_arrays(support_ids, proposal_q, vocab_size)
     if not fits:
         return _Scan(d, N, 0), False
+    folded = False  # whether _fold may sum q: planned for this reply, every position drafted
     if planned is not None and not (sampled > planned.covered).any():
         D, W, short_any = planned.D, planned.W, planned.short
+        folded = planned.folded and bool(sampled.all())
     else:
         D = min(K, int((tk * sampled).max())) if n else 0
         W = min(K, (D + 7) & ~7)
@@ -449,12 +474,15 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
             return s, False
     if D > 1 and _repeats(s.ids, qf, p, vocab_size):
         return s, False
-    # The running sum, over q's own copy when it has one (q is not read again).
-    T = s.sums(qf, p.q, p.base, p.T)
-    full = T == Q_TOTAL
-    if full.all() and sampled.all():  # the usual reply: every position drafted
-        s.drafted = s.every = full
+    if folded and _fold(qf, p):  # the usual reply: every position drafted
+        s.C, s.folded = p.q, True
+        s.drafted = s.every = p.every
     else:
+        if folded and W < K:  # _fold summed q's copy in place: copy q again
+            np.copyto(p.q_h, rows_q["head"])
+        # The running sum, over q's own copy when it has one (q is not read again).
+        T = s.sums(qf, p.q, p.base, p.T)
+        full = T == Q_TOTAL
         rows_s = np.repeat(sampled, N)
         empty = T == 0  # every place unused; their ids are 0 (above)
         s.drafted = rows_s & ~(empty & (d == 0))
@@ -578,25 +606,30 @@ class ReplyCheck:
 
     def __init__(self, seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike,
                  top_ks: ArrayLike, num_spec: int, vocab_size: int, *,
-                 asked: ArrayLike | None = None, scratch: Scratch | None = None) -> None:
+                 asked: ArrayLike | None = None, n_out: ArrayLike | None = None,
+                 scratch: Scratch | None = None) -> None:
         self.scratch = w = scratch or Scratch()
         self.seeds, self.generations, self.anchor_pos = seeds, generations, anchor_pos
         self.top_ks = tk = np.asarray(top_ks).astype(np.int64)
         N = self.num_spec = int(num_spec)
         self.vocab_size = vocab_size
         n = tk.size
-        self.planned = _Planned(tk, None if asked is None
-                                else np.asarray(asked, dtype=bool).reshape(tk.shape))
-        self.width = W = self.planned.W
+        self.planned = planned = _Planned(tk, None if asked is None
+                                          else np.asarray(asked, dtype=bool).reshape(tk.shape))
+        self.width = W = planned.W
         self.u: Any = None
-        self.limits: Any = None
+        self.usual = False  # after check: the reply had every position drafted (_fold)
         if n and N and W and tk.ndim == 1:
             p = w.plan(n, N, W)
-            self.u = _uniforms(seeds, generations, anchor_pos, p.z, p.zt, p.u, p.steps)
-            # Where every position is drafted, position m's q starts at m * 2**24 of the
-            # running sum: each place's base + u is known now, W times over.
-            np.add(p.bases_if_every, self.u, out=p.limit)
-            self.limits = np.repeat(p.limit, W)
+            self.u = u = _uniforms(seeds, generations, anchor_pos, p.z, p.zt, p.u, p.steps)
+            if planned.covered.all() and (n_out is None or _all_positions(n_out, N)):
+                # Every position is to be drafted: what _fold takes off each position's
+                # first q, delta[m] = 2**24 + u[m] - u[m - 1], and where each ends,
+                # 2**24 - u[m] (both modulo 2**32).
+                np.subtract(Q_TOTAL, u, out=p.ends)
+                np.add(u[1:], p.ends[:-1], out=p.delta[1:])
+                p.delta[0] = u[0]
+                planned.folded = True
 
     def check(self, sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,
               draft_ids: ArrayLike, needed: ArrayLike) -> None:
@@ -610,12 +643,12 @@ class ReplyCheck:
                                   f" {self.num_spec}")
         s, ok = _pass_92(mask, sup, q, drafts, need, self.vocab_size, tk, False, w,
                          self.planned)
+        self.usual = s.folded
         if not ok:
             _raise_first(mask, sup, q, drafts, need, self.vocab_size, tk)
         planned = s.plan is not None and self.width == s.W
         bad, expect, u = s.bad_draws(self.seeds, self.generations, self.anchor_pos, w,
-                                     self.u if planned else None,
-                                     self.limits if planned else None)
+                                     self.u if planned else None)
         if not bad.size:
             return
         # A draft outside its support fails 9.2, which comes first: name that one if any.
@@ -623,6 +656,12 @@ class ReplyCheck:
             _raise_first(mask, sup, q, drafts, need, self.vocab_size, tk)
         _raise_draw(int(bad[0]), s.N, s.d, expect, u, self.seeds, self.generations,
                     self.anchor_pos)
+
+
+def _all_positions(n_out: ArrayLike, N: int) -> bool:
+    """Whether every entry asks for all N positions: n_out 0 (all) or at least N."""
+    k = np.asarray(n_out).astype(np.int64, copy=False)
+    return bool(((k == 0) | (k >= N)).all())
 
 
 def _checked_92(sampled_mask: ArrayLike, support_ids: ArrayLike, proposal_q: ArrayLike,

@@ -409,14 +409,15 @@ def redraw(r: dict[str, Any]) -> None:
                 r["drafts"][i, j] = sampled.draw(r["sup"][i, j], r["q"][i, j], u)
 
 
-def build_full(seed: int, n: int, N: int) -> dict[str, Any]:
-    """A valid sampled reply of the usual kind: every entry sampled, every position drafted
-    (the check then takes each place's base + u as made ahead)."""
+def build_full(seed: int, n: int, N: int, top: int = 32) -> dict[str, Any]:
+    """A valid sampled reply of the usual kind: every entry sampled (top_k at most ``top``),
+    every position drafted (the check then sums q with each position's u taken off, as
+    made ahead)."""
     r = build(seed, n, N)
     rng = np.random.default_rng(seed + 1)
     r["needed"][:] = True
     r["mask"][:] = 1
-    r["top_ks"] = rng.integers(1, 33, n).astype(np.int32)
+    r["top_ks"] = rng.integers(1, top + 1, n).astype(np.int32)
     for i in range(n):
         for j in range(N):
             ids, qq = sampled.build_q(rng.normal(size=VOCAB) * 2, int(r["top_ks"][i]), 1.0)
@@ -429,15 +430,16 @@ def build_full(seed: int, n: int, N: int) -> dict[str, Any]:
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 12), N=st.integers(1, 5),
        muts=mutations(), asked=st.sampled_from(["all", "needed", "more", "fewer"]),
-       full=st.booleans())
+       full=st.sampled_from([0, 8, 16, 32]))
 def test_the_check_made_ahead_gives_check_replys_verdict(seed: int, n: int, N: int, muts: Any,
-                                                         asked: str, full: bool) -> None:
-    """ReplyCheck made from the request (u, the places read, each place's base + u should
-    every position be drafted) then checking the reply says what check_reply says, whichever
-    entries the request says asked for a draft: all, the ones the reply's statuses let draft,
-    more, or fewer (then a sampled entry can need more places than were planned, and the
-    check plans again)."""
-    r = (build_full if full else build)(seed, n, N)
+                                                         asked: str, full: int) -> None:
+    """ReplyCheck made from the request (u, the places read, and should every position be
+    drafted what the running sum takes off each position) then checking the reply says what
+    check_reply says, whichever entries the request says asked for a draft: all, the ones
+    the reply's statuses let draft, more, or fewer (then a sampled entry can need more places
+    than were planned, and the check plans again). ``full``: every position drafted, top_k at
+    most that (so 8 or 16 places read of 32, or all 32)."""
+    r = build_full(seed, n, N, full) if full else build(seed, n, N)
     mutate(r, muts)
     rng = np.random.default_rng(seed)
     extra = rng.random(n) < 0.5
@@ -501,15 +503,17 @@ def test_vocabularies_too_wide_for_32_bit_sort_keys(vocab: int) -> None:
     assert got is not None and "support id -1 outside" in got
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_a_wrong_draw_where_every_position_is_drafted_is_named(seed: int) -> None:
-    """The usual reply (every position drafted) is checked against each place's base + u
-    made ahead: a draft that is another of its support ids, anywhere, is named."""
-    r = build_full(seed, 32, 7)
+@pytest.mark.parametrize("seed,top", [(0, 32), (1, 32), (2, 16), (3, 16)])
+def test_a_wrong_draw_where_every_position_is_drafted_is_named(seed: int, top: int) -> None:
+    """The usual reply (every position drafted) is checked with one running sum that takes
+    each position's u off as it goes (made ahead): a draft that is another of its support
+    ids, anywhere, is named."""
+    r = build_full(seed, 32, 7, top)
     ahead = sampled.ReplyCheck(r["seeds"], r["gens"], r["anchors"], r["top_ks"], 7, VOCAB)
-    assert ahead.limits is not None
+    assert ahead.planned.folded
     assert refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"],
                                        r["needed"])) is None
+    assert ahead.usual  # decided by the sum with each position's u taken off
     rng = np.random.default_rng(seed)
     two = np.argwhere((r["q"] > 0).sum(axis=-1) > 1)
     i, j = (int(x) for x in two[rng.integers(len(two))])
@@ -519,3 +523,99 @@ def test_a_wrong_draw_where_every_position_is_drafted_is_named(seed: int) -> Non
     assert err is not None and (err.entry, err.position) == (i, j)
     assert "is not the draw" in str(err)
     assert message(err) == message(refusal(lambda: in_turn(r)))
+
+
+@pytest.mark.parametrize("top", [8, 16, 32])
+def test_a_usual_request_whose_reply_leaves_positions_undrafted(top: int) -> None:
+    """Every position asked for, so the check sums q with each position's u taken off; a
+    reply that leaves some positions undrafted (no q, draft 0: 9.2 allows it) has positions
+    that do not end where that sum expects, and is checked again the general way: accepted,
+    and a wrong draw or a broken sum elsewhere in it still named."""
+    r = build_full(11, 48, 5, top)
+    for i, j in ((0, 0), (17, 3), (47, 4)):
+        r["sup"][i, j] = 0
+        r["q"][i, j] = 0
+        r["drafts"][i, j] = 0
+    assert rules(r) and draws(r)
+
+    def verdict() -> str | None:
+        scratch = sampled.Scratch()
+        ahead = sampled.ReplyCheck(r["seeds"], r["gens"], r["anchors"], r["top_ks"], 5, VOCAB,
+                                   n_out=np.zeros(48, np.uint16), scratch=scratch)
+        assert ahead.planned.folded
+        got = message(refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"],
+                                                  r["needed"])))
+        assert got == message(refusal(lambda: in_turn(r)))
+        assert not ahead.usual  # some positions end elsewhere: the general sum decided
+        return got
+
+    assert verdict() is None
+    two = np.argwhere((r["q"] > 0).sum(axis=-1) > 1)
+    i, j = (int(x) for x in two[len(two) // 2])
+    good = int(r["drafts"][i, j])
+    ids = r["sup"][i, j][r["q"][i, j] > 0]
+    r["drafts"][i, j] = ids[ids != good][0]
+    got = verdict()
+    assert got is not None and f"entry {i} position {j}: draft id" in got
+    r["drafts"][i, j] = good
+    r["q"][i, j, 0] += 1
+    got = verdict()
+    assert got is not None and f"entry {i} position {j}: q sums to" in got
+
+
+def test_the_usual_check_is_planned_only_when_every_position_is_asked_for() -> None:
+    """n_out below N for one entry: its later positions are not drafted, so the check does
+    not plan on every position being drafted; n_out 0 (all N) or N or more does."""
+    r = build_full(2, 8, 4, 16)
+    args = (r["seeds"], r["gens"], r["anchors"], r["top_ks"], 4, VOCAB)
+    n_out = np.full(8, 4, np.uint16)
+    assert sampled.ReplyCheck(*args, n_out=n_out).planned.folded
+    n_out[3] = 0
+    n_out[5] = 9
+    assert sampled.ReplyCheck(*args, n_out=n_out).planned.folded
+    n_out[6] = 2
+    assert not sampled.ReplyCheck(*args, n_out=n_out).planned.folded
+    asked = np.ones(8, bool)
+    asked[1] = False
+    assert not sampled.ReplyCheck(*args, asked=asked).planned.folded
+
+
+@pytest.mark.parametrize("top,folded", [(8, True), (16, True), (32, True), (16, False)])
+def test_draws_at_a_running_sum_equal_to_u_and_one_past_it(top: int, folded: bool) -> None:
+    """The draw is the first place whose running sum *exceeds* u: positions whose first q is
+    u (the draw is the second place) or u + 1 (the first), over every way the check sums q.
+    ``folded``: every position asked for (u taken off within the running sum), else one
+    entry did not ask and the general sum runs."""
+    r = build_full(4, 64, 4, top)
+    r["top_ks"] = np.maximum(r["top_ks"], 2)
+    rng = np.random.default_rng(top)
+    hits = []
+    for i in range(64):
+        for j in range(4):
+            u = splitmix_u(int(r["seeds"][i]), int(r["gens"][i]), int(r["anchors"][i]) + j + 1)
+            first = u + int(rng.integers(0, 2))
+            if not Q_TOTAL // 2 < first < Q_TOTAL:
+                continue
+            a, b = (int(x) for x in rng.choice(VOCAB, 2, replace=False))
+            r["sup"][i, j] = 0
+            r["q"][i, j] = 0
+            r["sup"][i, j, :2] = (a, b)
+            r["q"][i, j, :2] = (first, Q_TOTAL - first)
+            r["drafts"][i, j] = b if first == u else a
+            hits.append((i, j))
+    assert len(hits) > 60 and rules(r) and draws(r)
+    asked = np.ones(64, bool)
+    if not folded:
+        r["needed"][63] = asked[63] = False
+        r["mask"][63] = 0
+        r["sup"][63] = r["q"][63] = r["drafts"][63] = 0
+    ahead = sampled.ReplyCheck(r["seeds"], r["gens"], r["anchors"], r["top_ks"], 4, VOCAB,
+                               asked=asked)
+    assert ahead.planned.folded == folded
+    assert refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"],
+                                       r["needed"])) is None
+    for i, j in hits[5], hits[-1]:  # the other of the two ids
+        r["drafts"][i, j] = sum(int(x) for x in r["sup"][i, j, :2]) - int(r["drafts"][i, j])
+    err = refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"]))
+    assert err is not None and f"entry {hits[5][0]} position {hits[5][1]}: draft id" in str(err)
+    assert "is not the draw" in str(err)
