@@ -154,18 +154,22 @@ class _Ahead:
         except Exception:  # made again, and raised, where the reply is checked
             self.values = self.draws = None
 
-    def sampled_check(self) -> tuple[ReplyCheck, np.ndarray]:
-        """The draws' check, and per entry whether it asked for a draft."""
-        if self.draws is None or self.asked is None:
+    def sampled_check(self) -> tuple[ReplyCheck, np.ndarray | None]:
+        """The draws' check, and per entry whether it asked for a draft (None: every one)."""
+        if self.draws is None:
             self.draws = self._draws()
-        return self.draws, cast(np.ndarray, self.asked)
+        return self.draws, self.asked
 
     def _draws(self) -> ReplyCheck:
         s, hello = self.sent, self.client.hello
-        self.asked = (s["flags"] & wire.RF_NEED_DRAFT) != 0
+        if self.values is not None and self.values.usual:  # every entry asks for all N
+            self.asked = n_out = None
+        else:
+            self.asked = (s["flags"] & wire.RF_NEED_DRAFT) != 0
+            n_out = s["n_out"]
         return ReplyCheck(s["seed"], s["generation"], s["anchor_pos"], s["top_k"],
-                          hello.num_spec, hello.vocab_size, asked=self.asked,
-                          n_out=s["n_out"], scratch=self.client._scratch)
+                          hello.num_spec, hello.vocab_size, asked=self.asked, n_out=n_out,
+                          scratch=self.client._scratch)
 
 
 class _Shared:
@@ -983,7 +987,6 @@ class RemoteDraftClient:
                 return StepOutcome(False, reason="transport_error", unknown_apply=True,
                                    rtt_us=(time.perf_counter() - t0) * 1e6)
             rtt_us = (time.perf_counter() - t0) * 1e6
-            self.stats.observe(RTT_KEY, rtt_us * 1e-6, STEP_RTT_BUCKETS)
             out = self._check_step_reply(size, seq, session, step_id, entries, sent, rtt_us,
                                          body_len, ahead)
             counts: dict[str, float] = {"steps": 1, "bytes_sent": wire.APP_HEADER_SIZE + body_len,
@@ -995,7 +998,7 @@ class RemoteDraftClient:
                 counts["rtt_us_total"] = rtt_us
                 counts["worker_us_total"] = out.reply.worker_us
                 counts["client_us_total"] = (time.perf_counter() - t_start) * 1e6 - rtt_us
-            self.stats.inc_many(counts)
+            self.stats.inc_many(counts, (RTT_KEY, rtt_us * 1e-6, STEP_RTT_BUCKETS))
             return out
         finally:
             self._io_lock.release()
@@ -1073,7 +1076,8 @@ class RemoteDraftClient:
                                  field="flags", value=reply.flags)
         try:
             check, asked = (ahead or _Ahead(self, sent)).sampled_check()
-            check.check(mask, sup, q, reply.draft_ids, asked & _USABLE[reply.status])
+            usable = _USABLE[reply.status]
+            check.check(mask, sup, q, reply.draft_ids, usable if asked is None else asked & usable)
         except wire.WireError:
             raise
         except ValueError as exc:  # shape errors of the caller's arrays

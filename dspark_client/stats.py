@@ -93,23 +93,30 @@ class Stats:
         with self._lock:
             self._counters[key] = self._counters.get(key, 0) + n
 
-    def inc_many(self, counts: Mapping[str, int | float]) -> None:
-        """Several ``inc`` under one lock acquisition (the per-STEP counters)."""
+    def inc_many(self, counts: Mapping[str, int | float],
+                 sample: tuple[str, float, Sequence[float]] | None = None) -> None:
+        """Several ``inc`` under one lock acquisition (the per-STEP counters), and ``sample``
+        (key, value, buckets) into its histogram as ``observe`` does."""
         with self._lock:
             c = self._counters
             for key, n in counts.items():
                 c[key] = c.get(key, 0) + n
+            if sample is not None:
+                self._observe(*sample)
 
     def observe(self, key: str, value: float, buckets: Sequence[float]) -> None:
         """One sample into histogram ``key`` (``buckets``: ascending upper bounds, inclusive;
         the first observation of a key fixes them)."""
         with self._lock:
-            h = self._hists.get(key)
-            if h is None:
-                bounds = tuple(buckets)
-                h = self._hists[key] = (bounds, [0] * (len(bounds) + 1), [0.0])
-            h[1][bisect_left(h[0], value)] += 1
-            h[2][0] += value
+            self._observe(key, value, buckets)
+
+    def _observe(self, key: str, value: float, buckets: Sequence[float]) -> None:
+        h = self._hists.get(key)
+        if h is None:
+            bounds = tuple(buckets)
+            h = self._hists[key] = (bounds, [0] * (len(bounds) + 1), [0.0])
+        h[1][bisect_left(h[0], value)] += 1
+        h[2][0] += value
 
     def histograms(self) -> dict[str, dict[str, Any]]:
         """Per histogram: ``{"buckets": [(upper bound, cumulative count), ..., (inf, n)],

@@ -416,7 +416,7 @@ def decode_reset(body: Buffer, max_count: int | None = None) -> list[int]:
 # -- StepReply (7.4) ------------------------------------------------------------------------------
 REPLY_HEADER_STRUCT: Final = struct.Struct("<QIHHII")  # step_id n_req num_spec flags worker_us res
 _U8, _U16, _U32 = np.dtype(np.uint8), np.dtype("<u2"), np.dtype("<u4")
-_I32, _F32 = np.dtype("<i4"), np.dtype("<f4")
+_I32, _F32, _U64 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("<u8")
 
 
 def _align(n: int) -> int:
@@ -570,6 +570,13 @@ class StepReply:
     @property
     def size(self) -> int:
         return reply_layout(self.n_req, self.num_spec, self.flags).size
+
+    def head_words(self) -> npt.NDArray[np.uint64]:
+        """status, window_rows and generation with their padding, as the 8-byte words that
+        carry them (from status up to draft_ids), one view over the buffer."""
+        lo = reply_layout(self.n_req, self.num_spec, self.flags)
+        return np.ndarray(((lo.draft_ids - lo.status) // 8,), _U64, self._buf,
+                          self._offset + lo.status)
 
     def finish(self, worker_us: int) -> int:
         """Write the header (with ``worker_us``, clamped to u32) and return the body size."""

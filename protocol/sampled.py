@@ -428,16 +428,22 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
     K = MAX_TOP_K
     M = n * N
     d = drafts.reshape(-1)
-    sampled = need & (tk > 0 if planned is None else planned.tk_pos)
-    if (mask != sampled.view(np.uint8)).any():  # also any mask value but 0 and 1
-        return _Scan(d, N, 0), False
+    # folded: whether _fold may sum q (planned for this reply, every position to be drafted)
+    folded = planned is not None and planned.folded and bool(need.all())
+    if folded:  # every entry asked, has top_k > 0 and a usable status: every one is sampled
+        sampled = cast(_Planned, planned).tk_pos
+        if (mask != 1).any():
+            return _Scan(d, N, 0), False
+    else:
+        sampled = need & (tk > 0 if planned is None else planned.tk_pos)
+        if (mask != sampled.view(np.uint8)).any():  # also any mask value but 0 and 1
+            return _Scan(d, N, 0), False
     ids, q, fits = _wire_arrays(support_ids, proposal_q, vocab_size)
     if not fits:
         return _Scan(d, N, 0), False
-    folded = False  # whether _fold may sum q: planned for this reply, every position drafted
-    if planned is not None and not (sampled > planned.covered).any():
+    if folded or (planned is not None and not (sampled > planned.covered).any()):
+        planned = cast(_Planned, planned)
         D, W, short_any = planned.D, planned.W, planned.short
-        folded = planned.folded and bool(sampled.all())
     else:
         D = min(K, int((tk * sampled).max())) if n else 0
         W = min(K, (D + 7) & ~7)

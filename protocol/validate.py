@@ -30,7 +30,7 @@ from .constants import (
     USABLE_REQ_STATUS,
 )
 from .errors import BadFrameError, ReplyValueError
-from .messages import ReqEntry, StepReply, StepView, entries_from_view
+from .messages import ReqEntry, StepReply, StepView, entries_from_view, reply_layout
 
 
 # -- 6.3: the client's check of a reply -----------------------------------------------------------
@@ -141,54 +141,59 @@ class ValuesAhead:
     first: a client makes it while the reply is on its way, then calls ``check``. ``usual``:
     every entry asked for a draft of all N positions (n_out 0 or at least N); then a reply
     that gives each one status OK, its whole window (``window_rows``: min(W, anchor_pos)) and
-    its generation echo (``generation``) has every position drafted, and 6.3 is a few bounds
-    on the whole reply (``_usual_reply``). It keeps a view of the entries: keep them unchanged
-    until the reply is checked."""
+    its generation echo has every position drafted, and 6.3 is a few bounds on the whole reply
+    (``_usual_reply``). Those three arrays and their padding (0) are known now, as the 8-byte
+    words the reply carries them in (``words``). It keeps a view of the entries: keep them
+    unchanged until the reply is checked."""
 
-    __slots__ = ("entries", "generation", "num_spec", "usual", "window", "window_rows")
+    __slots__ = ("entries", "ks", "num_spec", "usual", "window", "words")
 
     def __init__(self, entries: npt.NDArray[Any], num_spec: int, window: int) -> None:
         n_out = entries["n_out"]
         self.entries, self.num_spec, self.window = entries, num_spec, window
         self.usual = bool(entries.size and num_spec and (entries["flags"] & RF_NEED_DRAFT).all()
                           and ((n_out - _ONE16) >= num_spec - 1).all())
-        if self.usual:  # in the reply's dtypes, contiguous: compared with one pass each
-            self.window_rows = np.minimum(entries["anchor_pos"], window).astype(
-                np.uint16 if window <= 0xFFFF else np.uint32)  # the wire's window_rows: u16
-            self.generation = entries["generation"].astype(np.uint32)
+        if self.usual:
+            n = entries.size
+            lo = reply_layout(n, num_spec, 0)
+            self.words = words = np.zeros((lo.draft_ids - lo.status) // 8, np.uint64)
+            # status: RS_OK (0); window_rows; generation
+            rows = np.ndarray((n,), np.uint16, words, lo.window_rows - lo.status)
+            np.minimum(entries["anchor_pos"], window, out=rows, casting="unsafe")
+            if window > 0xFFFF and int(np.minimum(entries["anchor_pos"], window).max()) > 0xFFFF:
+                self.usual = False  # a window the wire's u16 cannot report: not usual
+            np.copyto(np.ndarray((n,), np.uint32, words, lo.generation - lo.status),
+                      entries["generation"])
+            self.ks = np.full(n, num_spec, np.int64)
 
     def check(self, reply: StepReply, vocab_size: int) -> npt.NDArray[np.int64]:
         """``check_reply_values(reply, entries, vocab_size=..., window=...)``."""
         _check_n_req(reply, self.entries)
-        if self.usual:
-            ks = _usual_reply(reply, self, vocab_size)
-            if ks is not None:
-                return ks
+        if self.usual and _usual_reply(reply, self, vocab_size):
+            return self.ks
         return _values(reply, self.entries, vocab_size, self.window)
 
 
-def _usual_reply(reply: StepReply, ahead: ValuesAhead,
-                 vocab_size: int) -> npt.NDArray[np.int64] | None:
-    """The usual reply (``ValuesAhead``), checked with a few reductions over the whole reply:
-    returns ``k`` per entry (N); None when the reply is not of that kind or breaks a rule, for
-    the general pass to decide (and name the offender)."""
-    n, N = reply.draft_ids.shape
-    if ahead.num_spec != N or int(reply.status.max()) != RS_OK:
-        return None
-    if not ((reply.window_rows == ahead.window_rows).all()
-            and (reply.generation == ahead.generation).all()):
-        return None
-    conf, m = reply.confidence, reply.margin
-    # NaN makes min and max NaN, and fails every comparison.
-    if not (int(reply.draft_ids.view(np.uint32).max()) < vocab_size
-            and conf.min() >= 0.0 and conf.max() <= 1.0
-            and (m is None or (m.min() >= 0.0 and m.max() <= _F32_MAX))):
-        return None
-    return np.full(n, N, np.int64)
+def _usual_reply(reply: StepReply, ahead: ValuesAhead, vocab_size: int) -> bool:
+    """Whether the reply is of the usual kind (``ValuesAhead``) and keeps 6.3, checked with a
+    few reductions over the whole reply; False also when it breaks a rule, for the general
+    pass to decide (and name the offender). Statuses, window_rows and generations: one
+    comparison of the words that carry them. Confidences in [0, 1] and finite margins >= 0:
+    the largest of their bit patterns read as u32 (any negative number, -0.0 included, and
+    NaN lie above; -0.0, allowed, is left to the general pass)."""
+    if ahead.num_spec != reply.num_spec:
+        return False
+    if (reply.head_words() != ahead.words).any():
+        return False
+    m = reply.margin
+    return (int(reply.draft_ids.view(np.uint32).max()) < vocab_size
+            and int(reply.confidence.view(np.uint32).max()) <= _F32_ONE
+            and (m is None or int(m.view(np.uint32).max()) < _F32_INF))
 
 
 _ONE16 = np.uint16(1)  # n_out - 1 wraps n_out 0 to 65535: "n_out 0 or at least N" is one test
-_F32_MAX = float(np.finfo(np.float32).max)  # a finite margin is at most this
+_F32_ONE = 0x3F800000  # 1.0f: the bit patterns of [+0.0, 1.0] are [0, this]
+_F32_INF = 0x7F800000  # +inf: the finite non-negative floats lie below it
 
 
 def _as_objects(entries: Sequence[ReqEntry] | npt.NDArray[Any]) -> Sequence[ReqEntry]:

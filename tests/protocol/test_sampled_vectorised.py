@@ -619,3 +619,15 @@ def test_draws_at_a_running_sum_equal_to_u_and_one_past_it(top: int, folded: boo
     err = refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"]))
     assert err is not None and f"entry {hits[5][0]} position {hits[5][1]}: draft id" in str(err)
     assert "is not the draw" in str(err)
+
+
+@pytest.mark.parametrize("value", [0, 2, 255])
+def test_a_usual_reply_with_a_wrong_sampled_mask_is_refused(value: int) -> None:
+    """Every entry asked and sampled: each mask must be 1, whatever the support says."""
+    r = build_full(6, 16, 3, 16)
+    r["mask"][9] = value
+    ahead = sampled.ReplyCheck(r["seeds"], r["gens"], r["anchors"], r["top_ks"], 3, VOCAB)
+    assert ahead.planned.folded
+    err = refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"]))
+    assert err is not None and err.entry == 9 and err.field == "sampled_mask"
+    assert message(err) == message(refusal(lambda: in_turn(r)))

@@ -285,6 +285,8 @@ USUAL_CASES: dict[str, Mutation] = {
     "margin_nan": _set("margin", (4, 1), math.nan),
     "margin_negative": _set("margin", (0, 3), -1e-30),
     "margin_max": _set("margin", (0, 3), float(np.finfo(np.float32).max)),
+    "margin_negative_zero": _set("margin", (1, 1), -0.0),
+    "padding": lambda rep: rep.head_words().view(np.uint8).__setitem__(len(USUAL), 7),
 }
 
 
@@ -317,7 +319,26 @@ def test_the_usual_replys_shortcut_says_what_the_rules_say(case: str, shape: str
     ahead = ValuesAhead(view, N, W)
     assert ahead.usual == (shape == "usual")
     assert outcome(lambda: ahead.check(rep, VOCAB)) == want
-    if case in ("as_is", "confidence_negative_zero", "margin_max"):
+    if case in ("as_is", "confidence_negative_zero", "margin_max", "margin_negative_zero",
+                "padding"):
         assert isinstance(want, list)
     elif shape == "usual":
         assert not isinstance(want, list)
+
+
+def test_a_window_wider_than_the_wires_u16_is_left_to_the_general_pass() -> None:
+    """window_rows is a u16 on the wire: with W and anchor_pos past 65535 the whole window
+    cannot be reported, so no reply is of the usual kind; the one that reports its low 16
+    bits is refused, as the rules say."""
+    wide = 100_000
+    entries = [ReqEntry(0, 5, 70_000, 1, flags=RF_NEED_DRAFT)]
+    rep = StepReply.empty(7, 1, N, 0)
+    rep.window_rows[:] = 70_000 & 0xFFFF
+    rep.generation[:] = 5
+    rep.confidence[:] = 0.5
+    view = packed(entries)
+    want = outcome(lambda: check_reply_values(rep, entries, vocab_size=VOCAB, window=wide))
+    assert not isinstance(want, list) and want[4] == "window_rows"
+    ahead = ValuesAhead(view, N, wide)
+    assert not ahead.usual
+    assert outcome(lambda: ahead.check(rep, VOCAB)) == want
