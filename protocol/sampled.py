@@ -123,18 +123,17 @@ def draw_u(seed: ArrayLike, generation: ArrayLike, position: ArrayLike) -> npt.N
     return z.reshape(np.broadcast_shapes(s.shape, g.shape, p.shape)).astype(np.uint32)
 
 
-def _mix(z: Any, t: Any) -> Any:
-    """SplitMix64's output function in place on the states z (uint64; t a scratch array of
-    the same shape), keeping the top 24 bits: z. Its last step, ``z ^= z >> 31``, changes no
-    bit above bit 32, so it is left out."""
+def _mix(z: Any, t: Any, out: Any = None) -> Any:
+    """SplitMix64's output function on the states z (uint64, changed; t a scratch array of
+    the same shape), keeping the top 24 bits: into ``out`` (e.g. uint32), else z. Its last
+    step, ``z ^= z >> 31``, changes no bit above bit 32, so it is left out."""
     np.right_shift(z, _30, out=t)
     z ^= t
     z *= _MIX1
     np.right_shift(z, _27, out=t)
     z ^= t
     z *= _MIX2
-    z >>= _SHIFT
-    return z
+    return np.right_shift(z, _SHIFT, out=z if out is None else out, casting="unsafe")
 
 
 def draw(support_ids: ArrayLike, q: ArrayLike, u: ArrayLike) -> npt.NDArray[np.int32]:
@@ -390,15 +389,24 @@ class _Planned:
     those, and W; whether any of them has top_k below W. A reply whose sampled entries are
     among them is read W places deep (any W at least the reply's own gives the same rules)."""
 
-    __slots__ = ("D", "W", "covered", "folded", "short", "tk_pos")
+    __slots__ = ("D", "W", "covered", "every", "folded", "short", "tk_pos")
 
     def __init__(self, tk: Any, asked: Any) -> None:
         self.folded = False  # set by ReplyCheck when it made what _fold needs
+        lo = int(tk.min()) if tk.size and asked is None else 0
+        self.every = lo > 0  # every entry covered
+        if self.every:  # every entry asked, each with top_k > 0: two reductions decide
+            self.tk_pos = self.covered = np.ones(tk.size, bool)
+            self.D = min(MAX_TOP_K, int(tk.max()))
+            self.W = min(MAX_TOP_K, (self.D + 7) & ~7)
+            self.short = lo < self.W
+            return
         self.tk_pos = tk > 0
         self.covered = self.tk_pos if asked is None else self.tk_pos & asked
         self.D = min(MAX_TOP_K, int((tk * self.covered).max())) if tk.size else 0
         self.W = min(MAX_TOP_K, (self.D + 7) & ~7)
         self.short = bool((self.covered & (tk < self.W)).any())
+        self.every = bool(self.covered.all())
 
 
 def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: Any,
@@ -628,7 +636,7 @@ class ReplyCheck:
         if n and N and W and tk.ndim == 1:
             p = w.plan(n, N, W)
             self.u = u = _uniforms(seeds, generations, anchor_pos, p.z, p.zt, p.u, p.steps)
-            if planned.covered.all() and (n_out is None or _all_positions(n_out, N)):
+            if planned.every and (n_out is None or _all_positions(n_out, N)):
                 # Every position is to be drafted: what _fold takes off each position's
                 # first q, delta[m] = 2**24 + u[m] - u[m - 1], and where each ends,
                 # 2**24 - u[m] (both modulo 2**32).
@@ -699,7 +707,7 @@ def _uniforms(seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike, z
     n, N = z.shape
     a = np.asarray(anchor_pos).astype(np.uint64).reshape(-1)
     g = np.asarray(generations)
-    g = g.reshape(-1).astype(np.uint64) if g.dtype in (np.uint32, np.uint16, np.uint8) else (
+    g = g.reshape(-1).astype(np.uint64) if g.dtype.itemsize <= 4 and g.dtype.kind == "u" else (
         np.asarray(g, dtype=np.uint64).reshape(-1) & _U32)
     s = np.asarray(seeds, dtype=np.uint64).reshape(-1)
     if n and int(a.max()) + N > 0xFFFFFFFF:
@@ -714,8 +722,7 @@ def _uniforms(seeds: ArrayLike, generations: ArrayLike, anchor_pos: ArrayLike, z
         g *= _GOLDEN
         g += s
         np.add(g[:, None], steps_g, out=z)
-    np.copyto(u, _mix(z.reshape(-1), zt), casting="unsafe")
-    return u
+    return _mix(z.reshape(-1), zt, u)
 
 
 def _steps(N: int) -> Any:

@@ -151,8 +151,9 @@ class ValuesAhead:
     def __init__(self, entries: npt.NDArray[Any], num_spec: int, window: int) -> None:
         n_out = entries["n_out"]
         self.entries, self.num_spec, self.window = entries, num_spec, window
-        self.usual = bool(entries.size and num_spec and (entries["flags"] & RF_NEED_DRAFT).all()
-                          and ((n_out - _ONE16) >= num_spec - 1).all())
+        self.usual = bool(entries.size and num_spec
+                          and np.bitwise_and.reduce(entries["flags"]) & RF_NEED_DRAFT
+                          and int((n_out - _ONE16).min()) >= num_spec - 1)
         if self.usual:
             n = entries.size
             lo = reply_layout(n, num_spec, 0)

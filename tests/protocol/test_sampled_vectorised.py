@@ -631,3 +631,18 @@ def test_a_usual_reply_with_a_wrong_sampled_mask_is_refused(value: int) -> None:
     err = refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"]))
     assert err is not None and err.entry == 9 and err.field == "sampled_mask"
     assert message(err) == message(refusal(lambda: in_turn(r)))
+
+
+def test_a_usual_reply_using_places_past_an_entrys_top_k_is_refused() -> None:
+    """Every entry asked and sampled, one with a smaller top_k than the places its position
+    uses (the others keep the largest top_k, so more places are read than it may use)."""
+    r = build_full(8, 24, 3, 16)
+    r["top_ks"][:] = 16
+    used = (r["q"] > 0).sum(axis=-1)
+    i, j = (int(x) for x in np.argwhere(used >= 3)[0])
+    r["top_ks"][i] = int(used[i].max()) - 1
+    ahead = sampled.ReplyCheck(r["seeds"], r["gens"], r["anchors"], r["top_ks"], 3, VOCAB)
+    assert ahead.planned.folded and ahead.width == 16
+    err = refusal(lambda: ahead.check(r["mask"], r["sup"], r["q"], r["drafts"], r["needed"]))
+    assert err is not None and err.entry == i and "past top_k" in str(err)
+    assert message(err) == message(refusal(lambda: in_turn(r)))
