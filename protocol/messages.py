@@ -10,6 +10,7 @@ in place, and the client reads every array of a StepReply in place. Decoders che
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, Final
 
@@ -276,30 +277,58 @@ def pack_step_prefix(
         _copy_entries(buf, offset + STEP_HEADER_SIZE, entries, n_rows, sample_meta)
         StepHeader(step_id, n, n_rows, row_bytes, step_flags).pack_into(buf, offset)
         return ro
-    total = 0
-    pack = ENTRY_STRUCT.pack_into
-    off = offset + STEP_HEADER_SIZE
+    at = offset + STEP_HEADER_SIZE
     try:
-        if sample_meta is None:
-            for e in entries:
-                pack(buf, off, e.slot, e.generation & U32_MASK, e.anchor_pos, e.anchor_token,
-                     e.n_rows, e.n_out, e.flags, e.seed, e.top_k, e.temperature, e.top_p)
-                total += e.n_rows
-                off += REQ_ENTRY_SIZE
-        else:
-            for e, (seed, top_k, temperature, top_p) in zip(entries, sample_meta, strict=True):
-                pack(buf, off, e.slot, e.generation & U32_MASK, e.anchor_pos, e.anchor_token,
-                     e.n_rows, e.n_out, e.flags, seed, top_k, temperature, top_p)
-                total += e.n_rows
-                off += REQ_ENTRY_SIZE
-    except struct.error as exc:
-        i = (off - offset - STEP_HEADER_SIZE) // REQ_ENTRY_SIZE
-        raise BadFrameError(f"entry {i} (slot {entries[i].slot}) has a field out of range:"
-                            f" {exc}", entry=i, slot=entries[i].slot) from exc
+        total = _pack_entries(buf, at, entries, sample_meta)
+    except struct.error:
+        # A generation past 32 bits (the wire carries its low half), or a field out of range.
+        wide = [e if e.generation & U32_MASK == e.generation
+                else msgspec.structs.replace(e, generation=e.generation & U32_MASK)
+                for e in entries]
+        try:
+            total = _pack_entries(buf, at, wide, sample_meta)
+        except struct.error as exc:
+            i, err = _first_out_of_range(wide, sample_meta)
+            raise BadFrameError(f"entry {i} (slot {entries[i].slot}) has a field out of"
+                                f" range: {err}", entry=i, slot=entries[i].slot) from exc
     if total != n_rows:
         raise ValueError(f"entries carry {total} rows in all, but n_rows is {n_rows}")
     StepHeader(step_id, n, n_rows, row_bytes, step_flags).pack_into(buf, offset)
     return ro
+
+
+def _pack_entries(buf: bytearray | memoryview, at: int, entries: Sequence[ReqEntry],
+                  sample_meta: list[SampleMeta] | None) -> int:
+    """Pack the entries from ``at``, one ``pack_into`` each (CPython's floor for objects; a
+    generation past 32 bits raises ``struct.error`` like any field out of range); return
+    their rows in all."""
+    total = 0
+    pack = ENTRY_STRUCT.pack_into
+    offsets = range(at, at + REQ_ENTRY_SIZE * len(entries), REQ_ENTRY_SIZE)
+    if sample_meta is None:
+        for off, e in zip(offsets, entries, strict=True):
+            pack(buf, off, e.slot, e.generation, e.anchor_pos, e.anchor_token, e.n_rows,
+                 e.n_out, e.flags, e.seed, e.top_k, e.temperature, e.top_p)
+            total += e.n_rows
+    else:
+        for off, e, (seed, top_k, temperature, top_p) in zip(offsets, entries, sample_meta,
+                                                             strict=True):
+            pack(buf, off, e.slot, e.generation, e.anchor_pos, e.anchor_token, e.n_rows,
+                 e.n_out, e.flags, seed, top_k, temperature, top_p)
+            total += e.n_rows
+    return total
+
+
+def _first_out_of_range(entries: Sequence[ReqEntry],
+                        sample_meta: list[SampleMeta] | None) -> tuple[int, struct.error]:
+    """The first entry that does not pack, and why (the failure path only)."""
+    scratch = bytearray(REQ_ENTRY_SIZE)
+    for i, e in enumerate(entries):
+        try:
+            _pack_entries(scratch, 0, [e], None if sample_meta is None else [sample_meta[i]])
+        except struct.error as exc:
+            return i, exc
+    raise AssertionError("the entries packed one by one")  # pragma: no cover
 
 
 def _copy_entries(buf: bytearray | memoryview, at: int, entries: npt.NDArray[Any], n_rows: int,

@@ -639,7 +639,7 @@ def test_a_usual_reply_using_places_past_an_entrys_top_k_is_refused() -> None:
     r = build_full(8, 24, 3, 16)
     r["top_ks"][:] = 16
     used = (r["q"] > 0).sum(axis=-1)
-    i, j = (int(x) for x in np.argwhere(used >= 3)[0])
+    i = int(np.argwhere(used >= 3)[0][0])
     r["top_ks"][i] = int(used[i].max()) - 1
     ahead = sampled.ReplyCheck(r["seeds"], r["gens"], r["anchors"], r["top_ks"], 3, VOCAB)
     assert ahead.planned.folded and ahead.width == 16

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from protocol.constants import APP_HEADER_SIZE, OP_STEP, RPF_MARGIN, RPF_SAMPLED
+from protocol.errors import BadFrameError
 from protocol.framing import FrameDecoder, frame, split_frame
 from protocol.header import AppHeader
 from protocol.messages import (
@@ -185,3 +186,43 @@ def test_pack_step_prefix_checks_an_entries_arrays_row_count() -> None:
     with pytest.raises(ValueError, match="sample_meta"):
         pack_step_prefix(buf, 0, 1, _entries_array(ENTRIES), N_ROWS, ROW_BYTES,
                          sample_meta=[(0, 0, 0.0, 0.0)] * 2)
+
+
+def _entry(i: int, **kw: int) -> ReqEntry:
+    fields = dict(slot=i, generation=10 + i, anchor_pos=20 + i, anchor_token=i, n_rows=1,
+                  flags=1)
+    fields.update(kw)
+    return ReqEntry(**fields)
+
+
+@pytest.mark.parametrize("field,value", [("anchor_pos", 1 << 32), ("anchor_token", -1),
+                                         ("n_out", 1 << 16), ("slot", -3)])
+def test_pack_step_prefix_names_the_entry_with_a_field_out_of_range(field: str,
+                                                                    value: int) -> None:
+    entries = [_entry(i) for i in range(6)]
+    entries[4] = _entry(4, **{field: value})
+    entries[5] = _entry(5, anchor_pos=-1)  # a second offender, after the first
+    with pytest.raises(BadFrameError) as info:
+        pack_step_prefix(bytearray(rows_offset_for(6)), 0, 1, entries, 6, ROW_BYTES)
+    slot = entries[4].slot
+    assert (info.value.entry, info.value.slot) == (4, slot)
+    assert f"entry 4 (slot {slot}) has a field out of range" in str(info.value)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_pack_step_prefix_carries_a_generations_low_32_bits(meta: bool) -> None:
+    """A generation past 32 bits, or negative, goes out as its low half (as the contract
+    says), whichever entry has it, with sample_meta or without."""
+    gens = [7, (1 << 32) + 5, -1, (3 << 40) | 9]
+    entries = [_entry(i, generation=g) for i, g in enumerate(gens)]
+    sample_meta = [(100 + i, 4, 0.5, 0.9) for i in range(4)] if meta else None
+    buf = bytearray(rows_offset_for(4))
+    pack_step_prefix(buf, 0, 1, entries, 4, ROW_BYTES, sample_meta=sample_meta)
+    view = decode_step(buf + bytes(4 * ROW_BYTES)).entries
+    assert view["generation"].tolist() == [g & 0xFFFFFFFF for g in gens]
+    assert view["anchor_pos"].tolist() == [20, 21, 22, 23]
+    assert view["seed"].tolist() == ([100, 101, 102, 103] if meta else [0] * 4)
+    assert [e.generation for e in entries] == gens  # the caller's objects are untouched
+    with pytest.raises(BadFrameError, match=r"entry 0 .* out of range"):
+        pack_step_prefix(buf, 0, 1, entries, 4, ROW_BYTES,
+                         sample_meta=[(1, 1 << 16, 0.5, 0.9)] * 4)
