@@ -282,7 +282,7 @@ class _Scan:
     def sums(self, q: Any, out: Any, base: Any, totals: Any) -> Any:
         """Set C (into ``out``, which may be q itself) and base (into ``base``) from the flat
         q ``[M * W]``; return each position's q total (into ``totals``)."""
-        self.C = np.cumsum(q, dtype=out.dtype, out=out)
+        self.C = np.add.accumulate(q, dtype=out.dtype, out=out)
         ends = self.C[self.W - 1::self.W]
         self.base = base
         base[:1] = 0
@@ -311,7 +311,7 @@ class _Scan:
                   w: Scratch, u: Any = None) -> tuple[Any, Any, Any]:
         """The drafted positions (flat) whose draft is not their draw, ascending; with every
         position's drawn id and u (given, or computed here), for the message."""
-        if not self.drafted.any():
+        if not (self.folded or self.drafted.any()):  # folded: every position drafted
             return np.zeros(0, np.int64), None, None
         M, W = self.M, self.W
         p = self.plan
@@ -344,7 +344,7 @@ def _fold(qf: Any, p: _Plan) -> bool:
     if qf is not p.q:
         np.copyto(p.q, qf)
     np.subtract(p.q_first, p.delta, out=p.q_first)
-    np.cumsum(p.q, out=p.q)
+    np.add.accumulate(p.q, out=p.q)
     return bool((p.q_ends == p.ends).all())
 
 
@@ -537,9 +537,9 @@ def _repeats(ids: Any, q: Any, p: _Plan, vocab_size: int) -> bool:
         _keys(keys[full:full + rest], q[full:], ids[full:], A[:rest], step[:rest])
     rows = keys.view(np.int32 if dt == np.uint32 else np.int64).reshape(-1, G * W)
     rows.sort(axis=1)
-    eq = np.equal(keys[1:], keys[:-1], out=p.t1[:keys.size - 1])
-    eq[G * W - 1::G * W] = False  # the last key of one row and the first of the next
-    return bool(eq.any())
+    # The last key of a row and the first of the next are never equal: every row holds keys
+    # of stamps 0 and G - 1 (G >= 8), its first sorted key is of stamp 0, its last of G - 1.
+    return bool(np.equal(keys[1:], keys[:-1], out=p.t1[:keys.size - 1]).any())
 
 
 def _keys(out: Any, q: Any, ids: Any, A: Any, step: Any) -> None:
