@@ -383,8 +383,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after-sleep", type=str, default="", metavar="MS,MS",
                    help="instead: sampled step() at 256 entries when the stub sleeps this many"
                         " ms before it answers (0 = not), the client's own time per STEP")
+    p.add_argument("--repeat", type=int, default=0, metavar="ROUNDS",
+                   help="instead: step() at 256 entries only (greedy and sampled, entries as"
+                        " objects and, where taken, as an array), ROUNDS short medians each,"
+                        " interleaved; prints the smallest and the median of them (a steadier"
+                        " figure on a shared machine)")
     args = p.parse_args(argv)
     TOP_K = args.top_k
+    if args.repeat:
+        cases = [(sampled, as_array) for as_array in (False, True) for sampled in (False, True)
+                 if not as_array or takes_arrays()]
+        got: dict[tuple[bool, bool], list[float]] = {c: [] for c in cases}
+        for _ in range(args.repeat):
+            for sampled, as_array in cases:
+                r = bench_step(256, sampled, 0.3, 0.0, as_array=as_array)
+                got[(sampled, as_array)].append(r["median_us"])
+        for (sampled, as_array), meds in got.items():
+            what = "step[array]" if as_array else "step"
+            print(f"{what:<11} {'sampled' if sampled else 'greedy':<8} n 256: min {min(meds):.1f}"
+                  f" median {statistics.median(meds):.1f} us over {len(meds)} rounds")
+        return 0
     if args.after_sleep:
         for ms in (float(x) for x in args.after_sleep.split(",")):
             r = bench_after_sleep(256, ms, max(20, min(200, int(2000 / max(ms, 1.0)))))
