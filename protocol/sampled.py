@@ -31,7 +31,7 @@ _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
 _MIX1: Final = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2: Final = np.uint64(0x94D049BB133111EB)
 _U32: Final = np.uint64(0xFFFFFFFF)
-_ONE, _27, _30, _31, _32 = (np.uint64(x) for x in (1, 27, 30, 31, 32))
+_ONE, _27, _30, _32 = (np.uint64(x) for x in (1, 27, 30, 32))
 _SHIFT: Final = np.uint64(64 - Q_BITS)
 _BYTES: Final = np.uint64(0x0101010101010101)  # a word times this: its bytes' sum, top byte
 _56: Final = np.uint64(56)
@@ -394,19 +394,24 @@ class _Planned:
     def __init__(self, tk: Any, asked: Any) -> None:
         self.folded = False  # set by ReplyCheck when it made what _fold needs
         lo = int(tk.min()) if tk.size and asked is None else 0
-        self.every = lo > 0  # every entry covered
-        if self.every:  # every entry asked, each with top_k > 0: two reductions decide
+        if lo > 0:  # every entry asked, each with top_k > 0: two reductions decide
+            self.every = True  # every entry covered
             self.tk_pos = self.covered = np.ones(tk.size, bool)
             self.D = min(MAX_TOP_K, int(tk.max()))
-            self.W = min(MAX_TOP_K, (self.D + 7) & ~7)
+            self.W = _width(self.D)
             self.short = lo < self.W
-            return
-        self.tk_pos = tk > 0
-        self.covered = self.tk_pos if asked is None else self.tk_pos & asked
-        self.D = min(MAX_TOP_K, int((tk * self.covered).max())) if tk.size else 0
-        self.W = min(MAX_TOP_K, (self.D + 7) & ~7)
-        self.short = bool((self.covered & (tk < self.W)).any())
-        self.every = bool(self.covered.all())
+        else:
+            self.tk_pos = tk > 0
+            self.covered = self.tk_pos if asked is None else self.tk_pos & asked
+            self.every = bool(self.covered.all())
+            self.D = min(MAX_TOP_K, int((tk * self.covered).max())) if tk.size else 0
+            self.W = _width(self.D)
+            self.short = bool((self.covered & (tk < self.W)).any())
+
+
+def _width(D: int) -> int:
+    """The places read closely for a largest top_k D: D rounded up to 8, at most MAX_TOP_K."""
+    return min(MAX_TOP_K, (D + 7) & ~7)
 
 
 def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: Any,
@@ -454,7 +459,7 @@ def _pass_92(mask: Any, support_ids: Any, proposal_q: Any, drafts: Any, need: An
         D, W, short_any = planned.D, planned.W, planned.short
     else:
         D = min(K, int((tk * sampled).max())) if n else 0
-        W = min(K, (D + 7) & ~7)
+        W = _width(D)
         short_any = True
     if not M or not W:
         s = _Scan(d, N, W)
