@@ -271,6 +271,7 @@ class RemoteDraftClient:
         self._next_attempt = 0.0
         self._fail_run = 0
         self._fail_logged = 0.0
+        self._no_session_logged = -math.inf
         self._resp = bytearray(self._step_reply_bytes())
         self._aux = bytearray(AUX_REPLY_BYTES)
         # Section 13: one region for the run, attached to each connection to a unix+shm://
@@ -1097,6 +1098,14 @@ class RemoteDraftClient:
             self._disable(f"STEP refused: {name}")
         elif status in (wire.ST_NO_SESSION, wire.ST_STALE_SEQ):
             # Not applied; a fresh HELLO on a new connection fixes the session at once.
+            now = time.monotonic()
+            if now - self._no_session_logged >= CONNECT_FAIL_LOG_S:
+                self._no_session_logged = now
+                log.warning("remote DSpark: STEP refused %s: the worker no longer holds session"
+                            " %#010x on this connection (dropped by its idle time, a GOODBYE,"
+                            " or a HELLO elsewhere under client name %r); HELLO again and"
+                            " resync (one line per %g s)", name, self.session,
+                            self.hello.client_name, CONNECT_FAIL_LOG_S)
             self.mark_failed(f"STEP refused: {name}", backoff=False)
         elif status == wire.ST_DRAINING:
             # Not applied; the worker is going away: the connect thread holds it off and

@@ -79,6 +79,10 @@ DEFAULT_MAX_SHM_REGION_BYTES: Final = 256 << 20
 # Largest body a connection that holds no session may send (HELLO is 160 bytes, PING, STATS and
 # GOODBYE have none): a stranger's frames cost the worker at most this much each (section 11).
 SESSIONLESS_MAX_BODY_BYTES: Final = 4 << 10
+# A HELLO under a client name replaces the sessions held under that name (a respawned engine
+# clears its predecessor's state, 6.2), except one whose connection is open and that had a frame
+# this recently: that is a second live engine using the same name, and both are served.
+LIVE_SESSION_S: Final = 5.0
 
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEVICES: Final = ("auto", "cpu", "cuda")

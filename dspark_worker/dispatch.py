@@ -111,6 +111,7 @@ from protocol.errors import (
     IdentityError,
     InternalError,
     LimitsError,
+    NoSessionError,
     VersionError,
     WireError,
 )
@@ -120,7 +121,7 @@ from protocol.messages import Hello, HelloReply, StepView, decode_step, reset_sl
 from protocol.shm import decode_step_shm
 from protocol.validate import check_step_shape
 
-from .config import max_step_body_bytes
+from .config import LIVE_SESSION_S, max_step_body_bytes
 from .metrics import Metrics
 from .runner import LaneOp, Runner, StepItem, reply_bytes
 from .sessions import DropReason, Outcome, Session, SessionTable, plan_step
@@ -306,6 +307,11 @@ class Dispatcher:
                                     field="status", value=h.status, limit=0)
             if self.draining and h.op in (OP_HELLO, OP_STEP):
                 raise DrainingError("the worker is shutting down; connect to another worker")
+            if fr.discarded:  # section 3: the connection's session is gone; the body was dropped
+                raise NoSessionError(
+                    f"session {h.session:#010x} is not held on this connection (its session is"
+                    f" gone); the {h.body_len}-byte body was discarded: HELLO again",
+                    field="session", value=h.session)
             handler = self._handlers.get(h.op)
             if handler is None:
                 raise BadFrameError(f"unknown op {h.op}", field="op", value=h.op)
@@ -368,9 +374,23 @@ class Dispatcher:
         self._check_identities(hello)
         self._check_geometry(hello)
         self._check_limits(hello)
-        result = self.table.hello(h.session, h.seq, hello, conn.conn_id, self.clock())
+        now = self.clock()
+
+        def live(other: Session) -> bool:  # another engine's, in use: not a dead predecessor
+            return self.connected(other.conn_id) and now - other.last_active < LIVE_SESSION_S
+
+        result = self.table.hello(h.session, h.seq, hello, conn.conn_id, now, live)
         for s, reason in result.dropped:
             self._dropped(s, reason, f"by session {h.session:#010x} from {conn.peer}")
+        for other in result.kept:
+            self._refusal_log.warning(
+                ("shared_client_name", hello.client_name),
+                f"HELLOs sharing client name {hello.client_name!r}",
+                "client name %r: session %#010x from %s is kept beside session %#010x (its"
+                " connection is open and it was active %.1f s ago): two engines use this client"
+                " name; give each engine its own, so that a respawn clears only its own state",
+                hello.client_name, other.session_id, conn.peer, h.session,
+                now - other.last_active)
         s = result.session
         conn.session_id = s.session_id
         if result.outcome is not Outcome.RESUMED:
@@ -579,6 +599,7 @@ class Dispatcher:
             raise BadFrameError(f"GOODBYE carries a {fr.body.nbytes}-byte body; it has none",
                                 field="body_len", value=fr.body.nbytes, limit=0)
         s = self.table.bound(h.session, conn.conn_id, h.seq)
+        self.table.touch(s, h.seq, self.clock())  # retired with this seq: a replay cannot pass
         self._drop(s, DropReason.GOODBYE, f"released by its client from {conn.peer}")
         return self._ok(h)
 

@@ -13,7 +13,9 @@
 * Memory follows trust (section 11): a connection that holds no session may send only small
   bodies (``SESSIONLESS_MAX_BODY_BYTES``: HELLO, PING, STATS, GOODBYE), and a body's storage is
   taken whole from its header only for a STEP of the session this connection HELLOed; anything
-  else grows with the bytes that arrive.
+  else grows with the bytes that arrive. On a connection whose session is gone, a larger STEP,
+  RESET, GOODBYE or SHM_ATTACH is read and dropped unbuffered and answered ST_NO_SESSION: the
+  engine HELLOs again instead of being cut off.
 * ``WorkerServer`` accepts on TCP (``TCP_NODELAY``) and Unix listeners (sockets bound before the
   drafter loads, see ``bind_tcp``), enforces the connection limit, closes connections that hold
   no session and stay silent (``handshake_timeout_s``, ``connection_idle_s``) and drains on
@@ -40,7 +42,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from protocol.constants import OP_STEP
+from protocol.constants import OP_GOODBYE, OP_RESET, OP_SHM_ATTACH, OP_STEP
 from protocol.errors import FrameHeaderError, FrameTooLargeError
 from protocol.framing import Frame, FrameDecoder
 from protocol.header import AppHeader
@@ -67,6 +69,9 @@ MIN_REPLY_BUFFER = 4 << 10
 # wake-up is a trip through the loop, and a 4 MiB STEP otherwise takes dozens of them.
 RCVLOWAT_MIN_REMAINING = 64 << 10
 RCVLOWAT_CAP = 1 << 20
+# Ops that act on the header's session: on a connection whose session is gone, one of them
+# with a body over the sessionless limit is answered ST_NO_SESSION unbuffered (section 3).
+SESSION_OPS = frozenset({OP_STEP, OP_RESET, OP_GOODBYE, OP_SHM_ATTACH})
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -85,7 +90,8 @@ class Connection(asyncio.BufferedProtocol):
         self.last_frame = time.monotonic()  # connect, then each complete frame
         self.transport: asyncio.Transport | None = None
         self.decoder = FrameDecoder(max_body=server.max_frame_bytes, alloc=server.buffers.alloc,
-                                    limit=self._body_limit, preallocate=self._trusted)
+                                    limit=self._body_limit, preallocate=self._trusted,
+                                    discard=self._discard)
         self.pending: deque[tuple[Frame, float]] = deque()
         self.busy = False  # a STEP of this connection is with the runner
         self.closing = False
@@ -206,10 +212,21 @@ class Connection(asyncio.BufferedProtocol):
         s = self.dispatcher.table.get(self.session_id)
         return s is not None and s.conn_id == self.conn_id
 
+    @property
+    def session_gone(self) -> bool:
+        """A session was bound here and is not any more (replaced, dropped, expired, moved)."""
+        return bool(self.session_id) and not self.has_session
+
     def _body_limit(self, h: AppHeader) -> tuple[int, str]:
         if self.has_session:  # bodies other than STEP still grow only with what arrives
             return self.server.max_frame_bytes, "(the frame limit)"
         return SESSIONLESS_MAX_BODY_BYTES, "for a connection without a session"
+
+    def _discard(self, h: AppHeader) -> bool:
+        """A frame of a session op on a connection whose session is gone: answered
+        ST_NO_SESSION from its header (the client HELLOs again), its body read and dropped."""
+        return h.op in SESSION_OPS and h.body_len > SESSIONLESS_MAX_BODY_BYTES \
+            and self.session_gone
 
     def _trusted(self, h: AppHeader) -> bool:
         """Whether a body's storage may be taken whole from its header alone."""

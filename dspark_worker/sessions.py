@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,6 +188,7 @@ class HelloResult:
     session: Session
     outcome: Outcome
     dropped: list[tuple[Session, DropReason]] = field(default_factory=list)
+    kept: list[Session] = field(default_factory=list)  # same client name, live elsewhere
 
 
 class SessionTable:
@@ -221,10 +223,11 @@ class SessionTable:
 
     # -- HELLO (6.2) ------------------------------------------------------------------------------
     def hello(self, session_id: int, seq: int, hello: Hello, conn_id: int,
-              now: float) -> HelloResult:
+              now: float, live: Callable[[Session], bool] | None = None) -> HelloResult:
         """Accept a HELLO that passed version, auth, identity, geometry and limits: resume,
         re-create or create the session. Raises StaleSeqError or BusyError with nothing
-        changed."""
+        changed. ``live(s)``: the session ``s`` under the same client name is in use by a live
+        engine on another connection, so it is kept, not replaced (``HelloResult.kept``)."""
         existing = self._by_id.get(session_id)
         clean = hello.without_auth()
         to_drop: list[tuple[Session, DropReason]] = []
@@ -247,9 +250,15 @@ class SessionTable:
                     f"session {session_id:#010x} was dropped; HELLO seq {seq} is not above its"
                     f" last seq {retired_seq}", field="seq", value=seq, limit=retired_seq)
             outcome = Outcome.CREATED
+        kept: list[Session] = []
         if hello.client_name:
-            to_drop.extend((s, DropReason.REPLACED) for s in self._by_id.values()
-                           if s.client_name == hello.client_name and s.session_id != session_id)
+            for s in self._by_id.values():
+                if s.client_name != hello.client_name or s.session_id == session_id:
+                    continue
+                if s.conn_id != conn_id and live is not None and live(s):
+                    kept.append(s)
+                else:
+                    to_drop.append((s, DropReason.REPLACED))
         freed_lanes = sum(s.max_slots for s, _ in to_drop)
         count_after = len(self._by_id) - len(to_drop) + 1
         if count_after > self.max_sessions:
@@ -268,7 +277,7 @@ class SessionTable:
         self._retired.pop(session_id, None)
         self._retired_by_name.get(hello.client_name, {}).pop(session_id, None)
         self.lanes_reserved += session.max_slots
-        return HelloResult(session, outcome, to_drop)
+        return HelloResult(session, outcome, to_drop, kept)
 
     # -- frames of a session (7.2 step 2) ---------------------------------------------------------
     def bound(self, session_id: int, conn_id: int, seq: int) -> Session:

@@ -14,7 +14,10 @@ is ``max_body``, or what ``limit(header)`` says for that header (the worker allo
 connection without a session only small bodies). Memory follows the bytes that arrived: a
 header alone never makes the decoder allocate its body, unless ``preallocate(header)`` says the
 sender is trusted with it (the worker: a STEP of a session this connection HELLOed). Other
-bodies over ``PREALLOCATE_BYTES`` grow, doubling, as their bytes arrive.
+bodies over ``PREALLOCATE_BYTES`` grow, doubling, as their bytes arrive. A body that
+``discard(header)`` names is read and thrown away as it arrives, never buffered: its frame
+comes out with an empty body and ``discarded`` set, so the reader can answer it from its header
+and the stream stays aligned (the worker: a frame for a session the connection no longer holds).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ PREALLOCATE_BYTES: Final = 64 << 10
 
 # limit(header) -> (largest body_len accepted for it, what the limit is, for the error message)
 LimitFn = Callable[[AppHeader], tuple[int, str]]
+# Where the bytes of a discarded body are received (their content is never read).
+_SINK = bytearray(SCRATCH_BYTES)
 
 
 def frame(op: int, seq: int, session: int, body: Buffer = b"", status: int = 0) -> bytes:
@@ -68,6 +73,7 @@ class Frame(msgspec.Struct, gc=False):
     header: AppHeader
     body: memoryview
     storage: bytearray | memoryview | None = None
+    discarded: bool = False  # the body was read and thrown away (``FrameDecoder``'s discard)
 
 
 class FrameDecoder:
@@ -82,13 +88,16 @@ class FrameDecoder:
     def __init__(self, max_body: int = DEFAULT_MAX_BODY_BYTES,
                  alloc: Callable[[int], bytearray | memoryview] = bytearray, *,
                  limit: LimitFn | None = None,
-                 preallocate: Callable[[AppHeader], bool] | None = None) -> None:
+                 preallocate: Callable[[AppHeader], bool] | None = None,
+                 discard: Callable[[AppHeader], bool] | None = None) -> None:
         if max_body < 0:
             raise ValueError(f"max_body {max_body} is negative")
         self.max_body = max_body
         self._alloc = alloc
         self._limit = limit
         self._preallocate = preallocate
+        self._discard = discard
+        self._skip = 0  # bytes of a discarded body still to arrive
         self._scratch = bytearray(INITIAL_SCRATCH_BYTES)
         self._scratch_offered = 0  # bytes of scratch the last get_buffer handed out
         self._have = 0  # bytes held in scratch, not yet parsed
@@ -108,8 +117,10 @@ class FrameDecoder:
     @property
     def body_remaining(self) -> int:
         """Bytes of the body being received that have not arrived yet (0 between bodies)."""
-        if self._header is None or self._body is None:
+        if self._header is None:
             return 0
+        if self._body is None:
+            return self._skip
         return self._header.body_len - self._body_have
 
     @property
@@ -120,6 +131,8 @@ class FrameDecoder:
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Where the next received bytes go: the rest of a body being received, or scratch."""
         self._check_usable()
+        if self._skip:
+            return memoryview(_SINK)[:min(self._skip, len(_SINK))]
         if self._body is not None and self._header is not None:
             if self._body_have == len(self._body):  # a growing body is full: double it
                 self._grow_body()
@@ -133,6 +146,11 @@ class FrameDecoder:
         """``nbytes`` were written into the last ``get_buffer``; return the frames completed."""
         self._check_usable()
         frames: list[Frame] = []
+        if self._skip:
+            self._skip -= nbytes
+            if not self._skip:
+                self._emit_discarded(frames)
+            return frames
         if self._body is not None and self._header is not None:
             self._body_have += nbytes
             if self._body_have < self._header.body_len:
@@ -182,7 +200,8 @@ class FrameDecoder:
                         f"{h.op_name} frame body_len {h.body_len} is over the limit of"
                         f" {self.max_body} bytes (seq {h.seq})",
                         field="body_len", value=h.body_len, limit=self.max_body)
-                if self._limit is not None:
+                skip = bool(h.body_len) and self._discard is not None and self._discard(h)
+                if self._limit is not None and not skip:
                     limit, what = self._limit(h)
                     if h.body_len > limit:
                         self.error_header = h
@@ -192,6 +211,15 @@ class FrameDecoder:
                             field="body_len", value=h.body_len, limit=limit)
                 pos += APP_HEADER_SIZE
                 avail = self._have - pos
+                if skip:
+                    took = min(avail, h.body_len)
+                    pos += took
+                    self._header = h
+                    self._skip = h.body_len - took
+                    if self._skip:
+                        break
+                    self._emit_discarded(frames)
+                    continue
                 if avail >= h.body_len:
                     storage = self._alloc(h.body_len)
                     storage[:h.body_len] = scratch[pos:pos + h.body_len]
@@ -229,6 +257,12 @@ class FrameDecoder:
         new = self._alloc(size) if size == h.body_len else bytearray(size)
         new[:self._body_have] = old[:self._body_have]
         self._body = new
+
+    def _emit_discarded(self, frames: list[Frame]) -> None:
+        h, self._header = self._header, None
+        if h is not None:
+            frames.append(Frame(h, memoryview(b""), None, True))
+            self.frames_decoded += 1
 
     def _emit_body(self, frames: list[Frame]) -> None:
         h, storage = self._header, self._body

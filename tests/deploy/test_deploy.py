@@ -856,7 +856,10 @@ def drive(host: str, port: int, secret: bytes) -> None:
     step = pack_step(3, [ReqEntry(slot=0, generation=1, anchor_pos=11, anchor_token=4,
                                   flags=RF_RELEASE)], b"", row_bytes)
     assert a.request(OP_STEP, step)[0] == ST_OK
-    # The same engine respawned: a new session under the same client name replaces the old.
+    # The same engine respawned: a new session under the same client name replaces the old
+    # (its predecessor's connection is gone).
+    a.sock.close()
+    time.sleep(0.2)
     b = Peer(host, port, session=0x5678)
     assert b.hello(hello, secret) == ST_OK
     # Streams that break the framing, each closed with its reason.

@@ -344,3 +344,26 @@ def test_scratch_grows_only_when_receives_fill_it() -> None:
     stream = b"".join(_frames(2000, body_of=40))  # many small frames arriving together
     frames = _receive(dec, stream, 1 << 20)
     assert len(frames) == 2000 and len(dec.get_buffer(-1)) == SCRATCH_BYTES
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_a_discarded_body_is_dropped_unbuffered_and_the_stream_stays_aligned(chunk: int) -> None:
+    """``discard(header)``: the body is read and thrown away (never allocated, never over a
+    limit), its frame comes out with an empty body and ``discarded``; the next frame is whole."""
+    calls: list[int] = []
+
+    def alloc(n: int) -> bytearray:
+        calls.append(n)
+        return bytearray(n)
+
+    dec = FrameDecoder(max_body=1 << 20, alloc=alloc, limit=lambda h: (16, "small"),
+                       discard=lambda h: h.op == OP_STEP)
+    stream = (frame(OP_STEP, 1, 5, bytes(range(256)) * 1000) + frame(OP_PING, 2, 0)
+              + frame(OP_STEP, 3, 5, b"x") + frame(OP_STATS, 4, 0, b"ok"))
+    got: list[Frame] = []
+    for i in range(0, len(stream), chunk):
+        got.extend(dec.feed(stream[i:i + chunk]))
+    assert [(f.header.op, f.header.seq, f.header.body_len, bytes(f.body), f.discarded)
+            for f in got] == [(OP_STEP, 1, 256_000, b"", True), (OP_PING, 2, 0, b"", False),
+                              (OP_STEP, 3, 1, b"", True), (OP_STATS, 4, 2, b"ok", False)]
+    assert calls == [0, 2] and not dec.has_partial

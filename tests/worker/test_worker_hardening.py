@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from worker_harness import Client, ThreadWorker, make_hello, tap_rows, thread_worker
+from worker_harness import Client, ThreadWorker, make_hello, tap_rows, thread_worker, wait_until
 
 from dspark_worker.buffers import BufferPool
 from dspark_worker.config import (
@@ -175,7 +175,8 @@ def test_takeover_with_the_largest_seq_does_not_lock_the_owner_out(worker: Threa
     """A stranger who has the id (it cannot read it from STATS any more) takes the session with
     seq 2**64 - 1. The owner's re-HELLO under that id is refused STALE_SEQ, and stays refused
     after the thief leaves (the worker remembers the id's seq); a new session under the same
-    client name gets the owner drafting again and drops the thief's."""
+    client name gets the owner drafting again, and drops the thief's once its connection is
+    gone."""
     d = drafter
     owner = worker.connect()
     hello = make_hello(d, client_name="engine-a")
@@ -189,10 +190,17 @@ def test_takeover_with_the_largest_seq_does_not_lock_the_owner_out(worker: Threa
     owner.session = owner.session ^ 0x5A5A5A5
     assert owner.hello(hello).status == ST_OK
     assert _fill_and_draft(owner, d) == before
-    assert thief.step([], b"", d.row_bytes).status == ST_NO_SESSION  # replaced by name
+    # The thief's connection is open and was just used: like a second engine under the same
+    # client name it keeps what it holds (6.2), beside the owner's new session.
+    stats = msgspec.json.decode(owner.stats().body)
+    assert len(stats["sessions"]) == 2 and stats["totals"]["sessions_dropped"] == {}
+    thief.close()
+    assert wait_until(lambda: worker.call(lambda: len(worker.app.server.connections)) == 1)
+    owner.session ^= 0x1111  # a respawn: the thief's connection is gone, its session replaced
+    assert owner.hello(hello).status == ST_OK
     stats = msgspec.json.decode(owner.stats().body)
     assert len(stats["sessions"]) == 1 and stats["totals"]["sessions_dropped"] == {
-        "replaced": 1}
+        "replaced": 2}
     owner.close()
     thief.close()
 

@@ -18,6 +18,7 @@ from worker_harness import (
     make_hello,
     tap_rows,
     thread_worker,
+    wait_until,
 )
 
 from protocol.auth import sign_hello
@@ -212,14 +213,38 @@ def test_same_client_name_replaces_older_session(worker: ThreadWorker, drafter: 
     old = worker.connect()
     assert old.hello(make_hello(drafter, client_name="vllm-dp0@host-a")).status == ST_OK
     fill(old, drafter)
+    old.close()  # the engine died: its connection is gone
+    assert wait_until(lambda: len(worker.app.server.connections) == 0)  # type: ignore[union-attr]
     new = worker.connect()  # a respawned engine: new session id, same client name
     assert new.hello(make_hello(drafter, client_name="vllm-dp0@host-a")).status == ST_OK
-    assert old.step([], b"", drafter.row_bytes).status == ST_NO_SESSION
     stats = msgspec.json.decode(new.stats().body)
     assert [s["session"] for s in stats["sessions"]] == [new.session]
     assert stats["totals"]["sessions_dropped"] == {"replaced": 1}
-    old.close()
     new.close()
+
+
+def test_same_client_name_on_two_live_connections_keeps_both(worker: ThreadWorker,
+                                                             drafter: Any) -> None:
+    """Two engines started with one client name: the second HELLO does not drop the first
+    engine's session while its connection is open and in use; both are served (6.2)."""
+    first = worker.connect()
+    assert first.hello(make_hello(drafter, client_name="dup")).status == ST_OK
+    fill(first, drafter)
+    second = worker.connect()
+    assert second.hello(make_hello(drafter, client_name="dup")).status == ST_OK
+    assert first.step([], b"", drafter.row_bytes).status == ST_OK
+    assert second.step([], b"", drafter.row_bytes).status == ST_OK
+    stats = msgspec.json.decode(second.stats().body)
+    assert len(stats["sessions"]) == 2 and stats["totals"]["sessions_dropped"] == {}
+    # The same connection's HELLO under a new id still replaces its own old session.
+    old_id = second.session
+    second.session ^= 0x10101
+    assert second.hello(make_hello(drafter, client_name="dup")).status == ST_OK
+    stats = msgspec.json.decode(second.stats().body)
+    assert old_id not in [s.get("session") for s in stats["sessions"]]
+    assert stats["totals"]["sessions_dropped"] == {"replaced": 1}
+    first.close()
+    second.close()
 
 
 def test_session_hijack_and_replay(worker: ThreadWorker, drafter: Any) -> None:

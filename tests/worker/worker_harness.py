@@ -286,3 +286,15 @@ def thread_worker(drafter: Any, **overrides: Any) -> Iterator[ThreadWorker]:
 
 HELLO_REPLY_SIZE = HELLO_REP.size
 HEADER = APP_HEADER_SIZE
+
+
+def wait_until(pred: Callable[[], Any], timeout: float = 10.0) -> bool:
+    """Poll ``pred`` until it is true or ``timeout`` seconds pass; its last answer."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
