@@ -166,6 +166,32 @@ class _Round(msgspec.Struct, gc=False):
     top_p: npt.NDArray[np.float64] | None
 
 
+class _Later:
+    """Work for the round trip (``RemoteDraftClient.step(while_waiting=...)``): run once, in
+    the transport or, when the STEP was never sent, by ``finish``; an error is raised from
+    ``finish``, not inside the transport."""
+
+    __slots__ = ("args", "done", "error", "fn")
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self.fn, self.args = fn, args
+        self.done = False
+        self.error: BaseException | None = None
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            try:
+                self.fn(*self.args)
+            except BaseException as exc:  # raised again by finish()
+                self.error = exc
+
+    def finish(self) -> None:
+        self()
+        if self.error is not None:
+            raise self.error
+
+
 def _column(values: Any, n: int, name: str, dtype: Any) -> Any:
     """``values`` (one per request, or one for all) as an array of ``dtype``. Values the dtype
     cannot hold are kept as Python objects, so that the range checks name them."""
@@ -460,26 +486,34 @@ class DraftRounds:
         client = self.client
         epoch = client.connection_epoch()
         self._new_requests(rnd)
-        # Every new row goes into the ring now, in one scatter: a resync sends them later.
-        if rnd.rows is not None:
-            self.ring.write_batch(rnd.slots, rnd.anchor_pos - rnd.n_rows, rnd.n_rows, rnd.rows,
-                                  rnd.row_offsets)
         synced = self._synced_epoch
-        if epoch is None:  # target-only: the slots resync after the reconnect
+        if epoch is None:  # target-only: the ring takes the rows, for the resync later
+            self._write_rows(rnd)
             synced[rnd.slots] = _NO_EPOCH
             return self._failed(n, "disabled" if client.disabled else "not_ready")
-        chosen, kind, k, end = self._plan(rnd, epoch)
+        chosen, kind, k, end, written = self._plan(rnd, epoch)
         m = len(chosen)
         if m + len(releases) == 0:  # everything deferred: nothing to send this round
             return self._failed(n, "deferred")
         slots = rnd.slots[chosen]
         n_rows = int(k.sum())
-        rows = self._stage(rnd, chosen, kind, k, end, n_rows)
+        # The usual round: every request continues with exactly its new rows, in order, so
+        # the STEP's rows are the engine's array, and they reach the ring while the reply is
+        # on its way (the ring write is the round's largest memory traffic).
+        rows_in = rnd.rows
+        direct = not written and rows_in is not None and rnd.row_offsets is None and \
+            rows_in.flags.c_contiguous and bool((k == rnd.n_rows).all())
+        if not written and not direct:
+            self._write_rows(rnd)
+        rows = self._stage(rnd, chosen, k, end, n_rows, direct)
         entries = self._entries(rnd, chosen, kind, k, end, releases)
         self._step_id += 1
+        later = _Later(self._write_rows, rnd) if direct else None
         # No rows (every slot only asks for drafts): the headers are the whole frame.
         out = client.step(self._headers, entries, n_rows, self._step_id, epoch=epoch,
-                          rows=rows)
+                          rows=rows, while_waiting=later)
+        if later is not None:
+            later.finish()  # when the STEP was never sent
         resynced = int(np.count_nonzero(kind == _RESYNC))
         if resynced:
             client.stats.inc("slots_resynced", resynced)
@@ -537,10 +571,17 @@ class DraftRounds:
             ring.end[cs] = ca
             ring.start[cs] = np.minimum(ring.start[cs], ca)
 
-    def _plan(self, rnd: _Round, epoch: int) -> tuple[Ints, Ints, Ints, Ints]:
-        """Which requests go out and how (the rows are in the ring already): per entry, its
-        request's index, kind (_CONT or _RESYNC), rows sent and anchor (the request's, or the
-        end of the part sent when a resync or backlog goes out in parts)."""
+    def _write_rows(self, rnd: _Round) -> None:
+        """The round's new rows into the ring, in one scatter (a resync sends them later)."""
+        if rnd.rows is not None:
+            self.ring.write_batch(rnd.slots, rnd.anchor_pos - rnd.n_rows, rnd.n_rows, rnd.rows,
+                                  rnd.row_offsets)
+
+    def _plan(self, rnd: _Round, epoch: int) -> tuple[Ints, Ints, Ints, Ints, bool]:
+        """Which requests go out and how: per entry, its request's index, kind (_CONT or
+        _RESYNC), rows sent and anchor (the request's, or the end of the part sent when a
+        resync or backlog goes out in parts); and whether the new rows are in the ring yet
+        (not when every request continues within the budget: nothing here needs them)."""
         s, a, n_new = rnd.slots, rnd.anchor_pos, rnd.n_rows
         W = self.window
         valid = (self._synced_epoch[s] == epoch) & (self._worker_gen[s] == rnd.generation)
@@ -548,6 +589,11 @@ class DraftRounds:
         # Continuing: the new rows follow what the worker holds (it keeps only the newest W).
         cont = valid & (wend == a - n_new)
         k = np.minimum(n_new, W)
+        chosen = np.arange(len(s), dtype=np.int64)
+        if cont.all() and int(k.sum()) <= self.row_budget:
+            self._sent(s)
+            return chosen, np.zeros(len(s), np.int64), k, a, False
+        self._write_rows(rnd)
         if not cont.all():
             held = self.ring.available_batch(s, a)  # newest min(W, anchor_pos) when all given
             # Left out of earlier rounds: the worker's window still ends at wend, and the ring
@@ -557,27 +603,21 @@ class DraftRounds:
             kind = np.where(cont | backlog, _CONT, _RESYNC)
         else:
             kind = np.zeros(len(s), np.int64)
-        chosen = np.arange(len(s), dtype=np.int64)
         if int(k.sum()) > self.row_budget:
-            return self._fit_budget(rnd, kind, k, self.row_budget)
+            return (*self._fit_budget(rnd, kind, k, self.row_budget), True)
         self._sent(s)
-        return chosen, kind, k, a
+        return chosen, kind, k, a, True
 
-    def _stage(self, rnd: _Round, chosen: Ints, kind: Ints, k: Ints, end: Ints,
-               n_rows: int) -> npt.NDArray[np.uint8] | None:
-        """The STEP's rows: the engine's own array when every request continues with exactly
-        its new rows, in order (the usual round), else gathered from the ring into staging."""
+    def _stage(self, rnd: _Round, chosen: Ints, k: Ints, end: Ints, n_rows: int,
+               direct: bool) -> npt.NDArray[np.uint8] | None:
+        """The STEP's rows: the engine's own array (``direct``), else gathered from the ring
+        into staging."""
         if not n_rows:
             return None
-        rows = rnd.rows
-        if rows is not None and len(chosen) == len(rnd.slots) and rnd.row_offsets is None \
-                and end is rnd.anchor_pos and (k == rnd.n_rows).all() and \
-                not kind.any() and rows.flags.c_contiguous:
-            rows = rows[:n_rows]
-            if rows.ctypes.data == self.staging.ctypes.data:
-                return rows  # already in staging (run() put the requests' rows there)
-            if not self._shm:
-                return rows
+        if direct and rnd.rows is not None:
+            rows = rnd.rows[:n_rows]
+            if not self._shm or rows.ctypes.data == self.staging.ctypes.data:
+                return rows  # (run() may have put the requests' rows in staging already)
             # On a region the rows must lie in it: one copy, as the gather would be.
             np.copyto(self.staging[:n_rows], rows)
             return self.staging[:n_rows]

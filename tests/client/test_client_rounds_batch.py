@@ -29,9 +29,12 @@ SESSION = 0x5EED
 
 class InProcess:
     """An RpcClient whose worker is a ``FakeWorker`` handled in the caller's thread: every
-    frame goes to its ``_handle`` as a socket would deliver it. ``cut`` makes the next request
-    fail as a cut connection does (nothing delivered); ``busy`` answers the next STEP ST_BUSY.
-    """
+    frame goes to its ``_handle`` as a socket would deliver it, and ``while_waiting`` runs
+    between the two, as the socket transport runs it. ``cut`` makes the next STEP fail as a
+    connection cut while sending does (nothing delivered, nothing run while waiting); ``busy``
+    answers the next STEP ST_BUSY."""
+
+    runs_while_waiting = True
 
     def __init__(self, fw: FakeWorker, conn_id: int, link: Link) -> None:
         self.fw, self.conn_id, self.link = fw, conn_id, link
@@ -42,7 +45,8 @@ class InProcess:
     def request(self, msg: Any, buf: bytearray, timeout: float) -> int:
         return self.request_parts((msg,), buf, timeout)
 
-    def request_parts(self, parts: Any, buf: bytearray, timeout: float, fds: Any = ()) -> int:
+    def request_parts(self, parts: Any, buf: bytearray, timeout: float, fds: Any = (),
+                      while_waiting: Callable[[], None] | None = None) -> int:
         data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
         h = wire.AppHeader.unpack(data[:wire.APP_HEADER_SIZE])
         if h.op == wire.OP_STEP:
@@ -50,6 +54,9 @@ class InProcess:
             if self.link.cut:
                 self.link.cut = False
                 raise TransportError("connection cut")
+        if while_waiting is not None:
+            while_waiting()
+        if h.op == wire.OP_STEP:
             if self.link.busy:
                 self.link.busy = False
                 out = wire.frame(h.op, h.seq, h.session, b"", status=wire.ST_BUSY)
@@ -328,6 +335,16 @@ def test_usual_round_sends_the_engines_rows_as_they_are() -> None:
         assert np.shares_memory(seen[-1][1], new) and not np.shares_memory(seen[-1][1],
                                                                            rb.staging)
         assert np.array_equal(rb.ring.rows(2, 8, 8), rows_for(2, 1, 0, 8))
+        # The ring takes a usual round's rows while the reply is on its way; a STEP cut off
+        # before that still leaves them there, and the resync after the reconnect sends them.
+        lb.cut = True
+        new = np.concatenate([rows_for(s, 1, 8, 11) for s in range(3)])
+        res = rb.run_batch(slots, 1, 11, 7, N, new, 3)
+        assert not res.ok and res.reason == "transport_error"
+        assert np.array_equal(rb.ring.rows(1, 11, W), rows_for(1, 1, 11 - W, 11))
+        assert cb.connect_now()
+        res = rb.run_batch(slots, 1, 11, 7, N)
+        assert res.ok and res.resynced == 3 and res.rows_sent == 3 * W
         assert lb.fw.errors == []
     finally:
         for link, c in ((la, ca), (lb, cb)):
