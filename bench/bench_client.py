@@ -17,7 +17,9 @@ the reply. Run:
 The script runs unchanged at an older revision of the project (copy it into that checkout's
 bench/), which is how before-and-after figures are taken.
 
-Target (issue): <= 100 us per step() at 256 entries, N = 7, greedy.
+Rounds (``bench_rounds``): ``DraftRounds.run_batch`` and ``run`` (one ``SlotRequest`` per slot)
+with every slot continuing with 4 new rows of 768 bytes, against the same stub; ``--repeat``
+prints them beside ``step()`` with the ratio of each round to ``step()`` alone.
 """
 
 from __future__ import annotations
@@ -360,11 +362,13 @@ class RoundReplies:
 
 
 def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
-                 form: str = "batch") -> dict[str, Any]:
+                 form: str = "batch", rtt_us: float = 0.0) -> dict[str, Any]:
     """The round an engine makes every step: n slots continuing, ``accepted + 1`` new rows
     each, every slot asking for all N positions. ``form``: "batch" (``run_batch``, the rows
-    as one array) or "list" (``run`` with one ``SlotRequest`` each, built before the call).
-    The time is the call's: ring write, decisions, entries, ``step()`` against the stub."""
+    as one array) or "list" (``run`` with one ``SlotRequest`` each, built before the call;
+    this one runs at older revisions too). The time is the call's: ring write, decisions,
+    entries, ``step()`` against the stub. ``rtt_us``: the stub answers that long after the
+    send, and ``added_us`` is the median less it (what the round adds to a round trip)."""
     stub, client = stub_client(n, sampled)
     rounds = DraftRounds(client)
     k = accepted + 1
@@ -378,9 +382,12 @@ def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
     state = {"step": 1}
     # Round 1 resyncs every slot.
     stub.step_reply = replies.frame(1, anchor, client.session)
-    first = np.concatenate([pool[:W + 1]] * n)
-    res = rounds.run_batch(slots, 3, anchor, slots, N, first, np.full(n, W + 1), **kw)
+    res = rounds.run([SlotRequest(slot=i, generation=3, anchor_pos=W + 1, anchor_token=i,
+                                  rows=pool[:W + 1], n_out=N,
+                                  **(dict(seed=1000 + i, top_k=TOP_K, temperature=0.8,
+                                          top_p=0.95) if sampled else {})) for i in range(n)])
     assert res.ok, (res.reason, client.stats.get("last_bad_reply"))
+    stub.rtt_us = rtt_us
     new_rows = np.ascontiguousarray(np.concatenate([pool[:k]] * n))
     counts = np.full(n, k, np.int64)
 
@@ -409,10 +416,13 @@ def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
         times.append(dt)
     times = sorted(times[10:])  # the first rounds warm the caches
     client.close()
-    return {"what": f"rounds.{'run_batch' if form == 'batch' else 'run'}", "n": n, "N": N,
-            "sampled": sampled, "rows_per_slot": k, "row_bytes": ROW_BYTES,
-            "median_us": statistics.median(times), "p90_us": times[int(0.9 * len(times))],
-            "min_us": times[0], "iters": float(len(times))}
+    out = {"what": f"rounds.{'run_batch' if form == 'batch' else 'run'}", "n": n, "N": N,
+           "sampled": sampled, "rows_per_slot": k, "row_bytes": ROW_BYTES,
+           "median_us": statistics.median(times), "p90_us": times[int(0.9 * len(times))],
+           "min_us": times[0], "iters": float(len(times))}
+    if rtt_us:
+        out["added_us"] = out["median_us"] - rtt_us
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -432,24 +442,33 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: sampled step() at 256 entries when the stub sleeps this many"
                         " ms before it answers (0 = not), the client's own time per STEP")
     p.add_argument("--repeat", type=int, default=0, metavar="ROUNDS",
-                   help="instead: step() at 256 entries only (greedy and sampled, entries as"
-                        " objects and, where taken, as an array), ROUNDS short medians each,"
-                        " interleaved; prints the smallest and the median of them (a steadier"
-                        " figure on a shared machine)")
+                   help="instead: step() at 256 entries (greedy and sampled, entries as"
+                        " objects and, where taken, as an array) and the rounds (run_batch,"
+                        " run), ROUNDS short medians each, interleaved; prints the smallest and"
+                        " the median of them (a steadier figure on a shared machine)")
     args = p.parse_args(argv)
     TOP_K = args.top_k
     if args.repeat:
-        cases = [(sampled, as_array) for as_array in (False, True) for sampled in (False, True)
-                 if not as_array or takes_arrays()]
-        got: dict[tuple[bool, bool], list[float]] = {c: [] for c in cases}
+        cases = [("step", sampled, as_array) for as_array in (False, True)
+                 for sampled in (False, True) if not as_array or takes_arrays()]
+        forms = ("batch", "list") if hasattr(DraftRounds, "run_batch") else ("list",)
+        cases += [(form, sampled, False) for form in forms for sampled in (False, True)]
+        got: dict[tuple[str, bool, bool], list[float]] = {c: [] for c in cases}
         for _ in range(args.repeat):
-            for sampled, as_array in cases:
-                r = bench_step(256, sampled, 0.3, 0.0, as_array=as_array)
-                got[(sampled, as_array)].append(r["median_us"])
-        for (sampled, as_array), meds in got.items():
-            what = "step[array]" if as_array else "step"
-            print(f"{what:<11} {'sampled' if sampled else 'greedy':<8} n 256: min {min(meds):.1f}"
-                  f" median {statistics.median(meds):.1f} us over {len(meds)} rounds")
+            for what, sampled, as_array in cases:
+                r = (bench_step(256, sampled, 0.3, 0.0, as_array=as_array) if what == "step"
+                     else bench_rounds(256, sampled, 0.3, form=what))
+                got[(what, sampled, as_array)].append(r["median_us"])
+        names = {"step": "step", "batch": "run_batch", "list": "run"}
+        for (what, sampled, as_array), meds in got.items():
+            name = "step[array]" if as_array else names[what]
+            ratio = ""
+            if what != "step":  # the round against step() alone, round by round
+                base = got[("step", sampled, False)]
+                ratio = "  x step(): " + " ".join(f"{m / b:.2f}" for m, b in zip(
+                    meds, base, strict=True))
+            print(f"{name:<11} {'sampled' if sampled else 'greedy':<8} n 256: min {min(meds):.1f}"
+                  f" median {statistics.median(meds):.1f} us over {len(meds)} rounds{ratio}")
         return 0
     if args.after_sleep:
         for ms in (float(x) for x in args.after_sleep.split(",")):
@@ -473,9 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         for sampled in (False, True):  # entries handed over as an array
             results.append(bench_step(256, sampled, seconds, args.rtt_us, as_array=True))
     for sampled in (False, True):
-        for form in ("batch", "list"):
+        for form in ("batch", "list") if hasattr(DraftRounds, "run_batch") else ("list",):
             for n in (1, 64, 256):
-                results.append(bench_rounds(n, sampled, seconds, form=form))
+                results.append(bench_rounds(n, sampled, seconds, form=form,
+                                            rtt_us=args.rtt_us))
     env = {"python": sys.version.split()[0], "numpy": np.__version__,
            "machine": platform.machine(), "cpus": os.cpu_count()}
     if args.json:

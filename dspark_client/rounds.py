@@ -195,6 +195,8 @@ class _Later:
 def _column(values: Any, n: int, name: str, dtype: Any) -> Any:
     """``values`` (one per request, or one for all) as an array of ``dtype``. Values the dtype
     cannot hold are kept as Python objects, so that the range checks name them."""
+    if type(values) is np.ndarray and values.dtype == dtype and values.shape == (n,):
+        return values  # the usual batch column: as it is
     raw = np.asarray(values)
     if raw.ndim == 0:
         raw = np.full(n, raw[()], raw.dtype)
@@ -394,6 +396,15 @@ class DraftRounds:
             top_k = _column(sampling[1], n, "top_k", np.int64)
             temp = _column(sampling[2], n, "temperature", np.float64)
             top_p = _column(sampling[3], n, "top_p", np.float64)
+        on_s = self.sampled and sampling is not None
+        if bad_rows < 0 and self._looks_fine(s, g, a, t, k, counts, sampling and (
+                seed, top_k, temp, top_p)):
+            return _Round(
+                slots=s, generation=g, anchor_pos=a, anchor_token=t, n_out=k, n_rows=counts,
+                rows=rows, row_offsets=offsets,
+                seed=np.where(top_k != 0, seed, 0).astype(np.uint64) if on_s else None,
+                top_k=top_k if on_s else None, temperature=temp if on_s else None,
+                top_p=top_p if on_s else None)
         S, N, U32 = self.max_slots, self.num_spec, wire.U32_MASK
         in_range = (s >= 0) & (s < S)
         # Each check: (where it fails, its message for request i), in the order of the rules;
@@ -457,7 +468,6 @@ class DraftRounds:
         if g.dtype == object:  # every check passed, yet past int64
             i = int(np.flatnonzero(g > _MAX_GENERATION)[0])
             raise ValueError(f"{at(i)}: generation {_py(g[i])} outside [0, 2**63)")
-        on_s = self.sampled and sampling is not None
         return _Round(
             slots=su, generation=g, anchor_pos=a.astype(np.int64),
             anchor_token=t.astype(np.int64), n_out=k, n_rows=counts, rows=rows,
@@ -465,6 +475,38 @@ class DraftRounds:
             seed=np.where(top_k != 0, seed, 0).astype(np.uint64) if on_s else None,
             top_k=top_k if on_s else None, temperature=temp if on_s else None,
             top_p=top_p if on_s else None)
+
+    def _looks_fine(self, s: Any, g: Any, a: Any, t: Any, k: Any, counts: Ints,
+                    sampling: tuple[Any, Any, Any, Any] | None) -> bool:
+        """The rules of ``_round`` by a few reductions over whole columns: True when every
+        request keeps them (the usual round); False sends the round through the request by
+        request checks, which name the first offender."""
+        if not len(s):
+            return True
+        if any(x.dtype == object for x in (s, g, a, t, k)):
+            return False
+        S, U32 = self.max_slots, wire.U32_MASK
+        if s.min() < 0 or s.max() >= S or np.bincount(s, minlength=S).max() > 1:
+            return False
+        # A free slot's generation is _NONE (-1): below every generation >= 0.
+        if g.min() < 0 or (g < self._gen[s]).any():
+            return False
+        if a.min() < 0 or a.max() > U32 or t.min() < 0 or t.max() > U32:
+            return False
+        if (counts > a).any() or k.min() < 0 or k.max() > self.num_spec:
+            return False
+        if sampling is None:
+            return True
+        seed, top_k, temp, top_p = sampling
+        if any(x.dtype == object for x in sampling):
+            return False
+        if not self.sampled:
+            return not (top_k.any() or seed.any() or temp.any() or top_p.any())
+        if top_k.min() < 0 or top_k.max() > MAX_TOP_K:
+            return False
+        on = top_k != 0
+        return not (on & ~(np.isfinite(temp) & (temp > 0) & np.isfinite(top_p) & (top_p >= 0)
+                           & (top_p <= 1))).any()
 
     @staticmethod
     def _raise_first(checks: list[tuple[Any, Any]], n: int) -> None:
