@@ -56,12 +56,11 @@ class InProcess:
                 raise TransportError("connection cut")
         if while_waiting is not None:
             while_waiting()
-        if h.op == wire.OP_STEP:
-            if self.link.busy:
-                self.link.busy = False
-                out = wire.frame(h.op, h.seq, h.session, b"", status=wire.ST_BUSY)
-                buf[:len(out)] = out
-                return len(out)
+        if h.op == wire.OP_STEP and self.link.busy:
+            self.link.busy = False
+            out = wire.frame(h.op, h.seq, h.session, b"", status=wire.ST_BUSY)
+            buf[:len(out)] = out
+            return len(out)
         with self.fw.lock:
             kind, payload = self.fw._handle(self.conn_id, h, data[wire.APP_HEADER_SIZE:])
         if kind != "send":
