@@ -8,17 +8,19 @@ The worker serves a small random drafter that reads Qwen3-4B-shaped taps (5 laye
 bf16: 25,600-byte rows; ``bench_worker.taps_25600_checkpoint``, written to a temporary
 folder), so the rows are real-sized and the drafting cheap. Each of ``--slots`` slots resyncs
 once (a prompt of W rows), then every round continues every slot with ``--rows`` new rows and
-asks for all N drafts. Over tcp:// and unix+shm:// in turn, per round (medians over the
+asks for all N drafts. Over tcp:// and unix+shm:// in turn (and unix+shm:// with the rows put in
+``DraftRounds.staging``, the region, before each round, as an engine's device-to-host copy
+could land them), per round (medians over the
 rounds, µs; each as a share of the round's median):
 
 * round: ``run_batch`` from call to return, as the engine waits for it;
 * client: the round less the STEP's round trip (send to reply: the client's own work before
   the send and after the reply; what it does during the round trip is not in it);
 * worker host: the worker's time from the STEP's last byte to its reply that is not the
-  device thread's (decode and checks, the hand-off to the device thread and back, the reply):
-  ``worker_us`` less the device time;
-* device: the device thread's work on the STEP's batch (apply, draft, encode; STATS
-  ``latency_us``, medians);
+  device thread's: decode and checks, the hand-off to the device thread, the hand-off back
+  (STATS ``latency_us`` medians of ``decode``, ``to_device``, ``from_device``);
+* device: the device thread's time on the STEP (apply, draft, encode and what lies between):
+  ``worker_us`` less the worker host time;
 * transport: the rest of the round trip (sending the rows, the reply's way back, wake-ups).
 
 The worker's stage medians (STATS ``latency_us``) are printed beside them.
@@ -66,7 +68,10 @@ def stats(client: RemoteDraftClient) -> dict[str, Any]:
     return dict(json.loads(body))
 
 
-def run_endpoint(endpoint: str, ckpt: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_endpoint(endpoint: str, ckpt: str, args: argparse.Namespace,
+                 in_staging: bool = False) -> dict[str, Any]:
+    """``in_staging``: each round's rows are first put (untimed) in ``DraftRounds.staging``,
+    as an engine's device-to-host copy could land them there (the region on unix+shm://)."""
     n, k, W = args.slots, args.rows, args.window
     hello = hello_from_checkpoint(ckpt, window=W, max_slots=n, sampled=args.sampled,
                                   max_rows_per_step=n * W, client_name="bench-engine-round")
@@ -94,7 +99,13 @@ def run_endpoint(endpoint: str, ckpt: str, args: argparse.Namespace) -> dict[str
             anchor += k
             w0 = client.stats.get("worker_us_total")
             t0 = time.perf_counter()
-            res = rounds.run_batch(slots, 1, anchor, tokens, N, pool[r % 4], k, **sampling)
+            rows = pool[r % 4]
+            if in_staging:
+                rows = rounds.staging[:n * k]
+                rows[:] = pool[r % 4]
+                w0 = client.stats.get("worker_us_total")
+                t0 = time.perf_counter()
+            res = rounds.run_batch(slots, 1, anchor, tokens, N, rows, k, **sampling)
             t1 = time.perf_counter()
             if not res.ok or res.resynced:
                 raise SystemExit(f"{endpoint}: round {r}: {res.reason}, resynced {res.resynced}")
@@ -106,13 +117,16 @@ def run_endpoint(endpoint: str, ckpt: str, args: argparse.Namespace) -> dict[str
     finally:
         client.close()
     med = statistics.median
-    device = sum(lat[s]["p50_us"] for s in ("apply", "draft", "encode"))
-    out = {"endpoint": endpoint.split("://")[0], "slots": n, "rows_per_slot": k,
+    # The device thread's time on the STEP: the worker's time (last byte to reply) less its
+    # host stages: decode and checks, the hand-off to the device thread, the hand-off back.
+    host = sum(lat[s]["p50_us"] for s in ("decode", "to_device", "from_device"))
+    out = {"endpoint": endpoint.split("://")[0] + (" (rows in region)" if in_staging else ""),
+           "slots": n, "rows_per_slot": k,
            "row_bytes": rb, "round_us": med(rounds_us), "rtt_us": med(rtt_us),
-           "worker_us": med(worker_us), "device_us": device,
+           "worker_us": med(worker_us), "device_us": med(worker_us) - host,
            "stages_p50_us": {s: lat[s]["p50_us"] for s in STAGES if s in lat}}
     out["client_us"] = med(np.subtract(rounds_us, rtt_us).tolist())
-    out["worker_host_us"] = out["worker_us"] - device
+    out["worker_host_us"] = host
     out["transport_us"] = out["rtt_us"] - out["worker_us"]
     return out
 
@@ -141,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     with start_worker(*extra) as w:
         for endpoint in (f"tcp://{w.host}:{w.port}", f"unix+shm://{path}"):
             results.append(run_endpoint(endpoint, ckpt, args))
+        results.append(run_endpoint(f"unix+shm://{path}", ckpt, args, in_staging=True))
         if w.stop() != 0:
             raise SystemExit("worker did not exit 0")
     if args.json:
@@ -151,12 +166,12 @@ def main(argv: list[str] | None = None) -> int:
           f" slot per round ({r0['slots'] * r0['rows_per_slot'] * r0['row_bytes'] / 1e6:.1f} MB),"
           f" W {args.window}, {'sampled' if args.sampled else 'greedy'}, device {args.device};"
           f" medians of {args.rounds} rounds, us (share of the round)")
-    print(f"{'transport':<9} {'round':>8} | {'client':>14} {'worker host':>14} {'device':>14}"
+    print(f"{'transport':<26} {'round':>8} | {'client':>14} {'worker host':>14} {'device':>14}"
           f" {'transport':>14}")
     for r in results:
         cells = " ".join(f"{r[key]:>7.0f} ({r[key] / r['round_us']:>4.0%})"
                          for key in ("client_us", "worker_host_us", "device_us", "transport_us"))
-        print(f"{r['endpoint']:<9} {r['round_us']:>8.0f} | {cells}")
+        print(f"{r['endpoint']:<26} {r['round_us']:>8.0f} | {cells}")
     print("worker stages, p50 us: " + "; ".join(
         f"{r['endpoint']}: " + ", ".join(f"{s} {v:.0f}" for s, v in r["stages_p50_us"].items())
         for r in results))

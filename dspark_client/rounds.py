@@ -343,7 +343,10 @@ class DraftRounds:
         sessions only (None: greedy entries). ``release``: as in ``run``.
 
         The result's arrays follow the request order; it stays valid until the next round.
-        The arrays are read, never kept or written: the engine may reuse them at once."""
+        The arrays are read, never kept or written: the engine may reuse them at once. The
+        rows may lie in ``self.staging`` from its start (where an engine's device-to-host copy
+        can land them): on a ``unix+shm://`` endpoint that is the shared region, and the usual
+        round then copies no row before the send."""
         n = int(np.size(slots))
         if rows is not None and (not isinstance(rows, np.ndarray) or rows.dtype != np.uint8
                                  or rows.ndim != 2 or rows.shape[1] != self.row_bytes):
