@@ -114,12 +114,13 @@ class TapRing:
         check."""
         if offsets is None:
             offsets = np.cumsum(counts) - counts
-        has = counts > 0
-        if not has.all():
+        # Slots without rows change nothing (``write`` returns at once for them).
+        if counts.min() <= 0:
+            has = counts > 0
             slots, first_pos, counts, offsets = (slots[has], first_pos[has], counts[has],
                                                  offsets[has])
-        if not len(slots):
-            return
+            if not len(slots):
+                return
         start, end = self.start[slots], self.end[slots]
         last = first_pos + counts
         # The rule of ``advance``, for every slot at once.
@@ -127,15 +128,15 @@ class TapRing:
         new_start = np.maximum(np.where(kept_run, start, first_pos), last - self.window)
         self.start[slots], self.end[slots] = new_start, last
         # The rows that stay (the newest min(W, count) of each) start here.
-        first_kept = np.maximum(new_start, first_pos)
-        kept = last - first_kept
-        src_first = offsets + (first_kept - first_pos)
-        dst, within, at = self._places(slots, first_kept, kept)
+        skip = np.maximum(new_start - first_pos, 0)
+        kept = counts - skip
+        dst, at = self._places(slots, first_pos + skip, kept)
         src = self._items(rows)
+        src_first = offsets + skip
         if (src_first - at == src_first[0]).all():  # back to back: the source is a view
             self._flat[dst] = src[src_first[0]:src_first[0] + len(dst)]
         else:
-            self._flat[dst] = src[np.repeat(src_first, kept) + within]
+            self._flat[dst] = src[np.repeat(src_first - at, kept) + np.arange(len(dst))]
 
     def gather_batch(self, slots: npt.NDArray[np.int64], anchor_pos: npt.NDArray[np.int64],
                      counts: npt.NDArray[np.int64], out: npt.NDArray[np.uint8]) -> int:
@@ -150,7 +151,7 @@ class TapRing:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             self.gather(int(slots[i]), int(anchor_pos[i]), int(counts[i]), out)  # raises
-        dst, _, _ = self._places(slots, first, counts)
+        dst, _ = self._places(slots, first, counts)
         np.take(self._flat, dst, out=self._items(out[:len(dst)]))
         return len(dst)
 
@@ -163,14 +164,17 @@ class TapRing:
 
     def _places(self, slots: npt.NDArray[np.int64], first_pos: npt.NDArray[np.int64],
                 counts: npt.NDArray[np.int64]
-                ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+                ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Flat row indices of positions ``[first_pos[i], first_pos[i] + counts[i])`` in
-        ``slots[i]``'s ring, slot after slot; each row's index within its slot's run; where each
-        slot's run starts in the result."""
+        ``slots[i]``'s ring, slot after slot, and where each slot's run starts in them."""
+        if not len(counts):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         at = np.cumsum(counts) - counts
-        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(at, counts)
-        pos = np.repeat(first_pos, counts) + within
-        return np.repeat(slots * self.window, counts) + pos % self.window, within, at
+        # Row j of the result is position first_pos[i] + (j - at[i]) of its slot i.
+        pos = np.repeat(first_pos - at, counts) + np.arange(int(at[-1] + counts[-1]))
+        pos %= self.window
+        pos += np.repeat(slots * self.window, counts)
+        return pos, at
 
     def truncate(self, slot: int, end_pos: int) -> None:
         """Forget rows at or after ``end_pos`` (the worker cuts a window that ends after the

@@ -92,6 +92,7 @@ MIN_ROW_BUDGET_PARTS: Final = 8
 # Entry kinds of a round's plan.
 _CONT: Final = 0  # continues the worker's window: new rows, or a backlog from the ring
 _RESYNC: Final = 1  # RF_RESET with the ring's newest rows (or its oldest part, when split)
+_NO_ENTRIES: Final = np.zeros(0, wire.ENTRY_DTYPE)
 # Generations are kept as int64 (the wire carries the low 32 bits, 7.1).
 _MAX_GENERATION: Final = (1 << 63) - 1
 
@@ -296,30 +297,41 @@ class DraftRounds:
             slots = gens = anchors = tokens = rows_in = n_out = seeds = top_ks = temps = \
                 top_ps = ()
         rb = self.row_bytes
-        parts = []
-        counts = np.zeros(n, np.int64)
+        parts = [r for r in rows_in if r is not None]
         bad_rows = -1  # the first request whose rows are not uint8 [n, row_bytes]
-        for i, rows in enumerate(rows_in):
-            if rows is None:
-                continue
-            if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.ndim != 2 \
-                    or rows.shape[1] != rb:
-                bad_rows = i
-                break
-            if rows.shape[0]:
-                counts[i] = rows.shape[0]
-                parts.append(rows)
-        if bad_rows >= 0:
+        flat = None
+        try:
+            # Every part must be a uint8 [n, row_bytes] array: concatenate refuses other
+            # widths, ranks and (casting "no") dtypes, isinstance other objects.
+            if not all(isinstance(r, np.ndarray) for r in parts):
+                raise TypeError("rows that are not arrays")
+            counts = np.fromiter((0 if r is None else r.shape[0] for r in rows_in), np.int64,
+                                 count=n)
+            total = int(counts.sum())
+            if len(parts) == 1 and parts[0].dtype == np.uint8 and parts[0].ndim == 2 and \
+                    parts[0].shape[1] == rb:
+                flat = parts[0]
+            elif total or parts:
+                # Into staging when they fit: run_batch reads them before it writes staging.
+                out = self.staging[:total] if total <= len(self.staging) else \
+                    np.empty((total, rb), np.uint8)
+                flat = np.concatenate(parts, out=out, casting="no")
+            if flat is not None and flat.shape[1:] != (rb,):
+                raise ValueError("rows of another width")
+        except (TypeError, ValueError, IndexError, AttributeError):
+            # Name the first offender (the checks of run_batch report it in request order).
+            flat, counts = None, np.zeros(n, np.int64)
+            for i, r in enumerate(rows_in):
+                if r is None:
+                    continue
+                if not isinstance(r, np.ndarray) or r.dtype != np.uint8 or r.ndim != 2 or \
+                        r.shape[1] != rb:
+                    bad_rows = i
+                    break
+                counts[i] = r.shape[0]
+            if bad_rows < 0:
+                raise
             counts[bad_rows:] = 0
-            parts = []
-        total = int(counts.sum())
-        if not parts:
-            flat = None
-        else:
-            # Into staging when they fit: run_batch reads the new rows before it writes staging.
-            out = self.staging[:total] if total <= len(self.staging) else \
-                np.empty((total, rb), np.uint8)
-            flat = np.concatenate(parts, out=out) if len(parts) > 1 else parts[0]
         sampling = (seeds, top_ks, temps, top_ps) if self.sampled or any(top_ks) or \
             any(seeds) or any(temps) or any(top_ps) else None
         rnd = self._round(slots, gens, anchors, tokens, n_out, flat, counts, None, sampling,
@@ -702,9 +714,11 @@ class DraftRounds:
 
     def _releases(self, requested: Ints, release: Any) -> npt.NDArray[Any]:
         """RF_RELEASE entries for finished slots (not requested this round), forgetting them."""
+        if isinstance(release, (tuple, list)) and not release:
+            return _NO_ENTRIES
         rel = np.asarray(list(release) if not isinstance(release, np.ndarray) else release)
         if not rel.size:
-            return np.zeros(0, wire.ENTRY_DTYPE)
+            return _NO_ENTRIES
         rel = rel.reshape(-1)
         bad = np.zeros(len(rel), bool) if rel.dtype.kind in "iu" else np.ones(len(rel), bool)
         if rel.dtype.kind in "iu":
@@ -875,16 +889,16 @@ class DraftRounds:
     def _result(self, n: int, included: Ints, reply: wire.StepReply,
                 drafted: npt.NDArray[np.int64]) -> RoundResult:
         m = len(included)
-        num = np.zeros(n, np.int32)
         if m == n:  # every request went out, in order: the reply's rows are the result's
-            num[:] = drafted[:n]
             return RoundResult(
-                ok=True, reason=None, num_drafted=num, status=reply.status[:n],
+                ok=True, reason=None, num_drafted=drafted[:n].astype(np.int32),
+                status=reply.status[:n],
                 draft_ids=reply.draft_ids[:n], confidence=reply.confidence[:n],
                 margin=None if reply.margin is None else reply.margin[:n],
                 support_ids=None if reply.support_ids is None else reply.support_ids[:n],
                 proposal_q=None if reply.proposal_q is None else reply.proposal_q[:n])
         # Some requests were deferred: scatter the reply's rows to the requests' places.
+        num = np.zeros(n, np.int32)
         idx = included
         num[idx] = drafted[:m]
         status = np.full(n, NOT_SENT, np.uint8)
