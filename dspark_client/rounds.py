@@ -567,10 +567,12 @@ class DraftRounds:
         self._step_id += 1
         later = _Later(self._write_rows, rnd) if direct else None
         # No rows (every slot only asks for drafts): the headers are the whole frame.
-        out = client.step(self._headers, entries, n_rows, self._step_id, epoch=epoch,
-                          rows=rows, while_waiting=later)
-        if later is not None:
-            later.finish()  # when the STEP was never sent
+        try:
+            out = client.step(self._headers, entries, n_rows, self._step_id, epoch=epoch,
+                              rows=rows, while_waiting=later)
+        finally:
+            if later is not None:
+                later.finish()  # when the STEP was never sent
         resynced = int(np.count_nonzero(kind == _RESYNC))
         if resynced:
             client.stats.inc("slots_resynced", resynced)
