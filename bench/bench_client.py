@@ -17,7 +17,9 @@ the reply. Run:
 The script runs unchanged at an older revision of the project (copy it into that checkout's
 bench/), which is how before-and-after figures are taken.
 
-Target (issue): <= 100 us per step() at 256 entries, N = 7, greedy.
+Rounds (``bench_rounds``): ``DraftRounds.run_batch`` and ``run`` (one ``SlotRequest`` per slot)
+with every slot continuing with 4 new rows of 768 bytes, against the same stub; ``--repeat``
+prints them beside ``step()`` with the ratio of each round to ``step()`` alone.
 """
 
 from __future__ import annotations
@@ -321,50 +323,106 @@ def client_us_per_step(client: RemoteDraftClient, step: Callable[[], Any],
     return (after["client_us_total"] - before.get("client_us_total", 0)) / good, outs
 
 
-def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3) -> dict[str, Any]:
+class RoundReplies:
+    """The stub's reply to each round of ``bench_rounds``: every entry drafts all N positions;
+    on a sampled session the proposals are fixed per (slot, position) and the draws re-derived
+    from each round's anchors (9.3), so the client's checks pass. Made between the timed
+    calls."""
+
+    def __init__(self, n: int, sampled: bool, seeds: np.ndarray) -> None:
+        flags = wire.RPF_MARGIN | (wire.RPF_SAMPLED if sampled else 0)
+        self.r = r = wire.StepReply.empty(1, n, N, flags)
+        rng = np.random.default_rng(0)
+        r.status[:] = wire.RS_OK
+        r.window_rows[:] = W
+        r.generation[:] = 3
+        r.confidence[:] = rng.uniform(0, 1, (n, N)).astype(np.float32)
+        assert r.margin is not None
+        r.margin[:] = 1.0
+        self.sampled, self.seeds = sampled, seeds
+        if sampled:
+            assert r.sampled_mask is not None and r.support_ids is not None
+            assert r.proposal_q is not None
+            r.sampled_mask[:] = 1
+            logits = rng.normal(size=(N, 256)) * 2  # one proposal per position, every slot
+            for j in range(N):
+                r.support_ids[:, j], r.proposal_q[:, j] = psampled.build_q(
+                    logits[j], TOP_K, 0.8, 0.95)
+        else:
+            r.draft_ids[:] = rng.integers(0, VOCAB, (n, N), dtype=np.int32)
+
+    def frame(self, step_id: int, anchor: np.ndarray, session: int) -> bytes:
+        r = self.r
+        r.step_id = step_id
+        if self.sampled:
+            assert r.support_ids is not None and r.proposal_q is not None
+            u = psampled.draw_u(self.seeds[:, None], 3, anchor[:, None] + 1 + np.arange(N))
+            r.draft_ids[:] = psampled.draw(r.support_ids, r.proposal_q, u)
+        return wire.frame(wire.OP_STEP, 0, session, r.pack())
+
+
+def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
+                 form: str = "batch", rtt_us: float = 0.0) -> dict[str, Any]:
+    """The round an engine makes every step: n slots continuing, ``accepted + 1`` new rows
+    each, every slot asking for all N positions. ``form``: "batch" (``run_batch``, the rows
+    as one array) or "list" (``run`` with one ``SlotRequest`` each, built before the call;
+    this one runs at older revisions too). The time is the call's: ring write, decisions,
+    entries, ``step()`` against the stub. ``rtt_us``: the stub answers that long after the
+    send, and ``added_us`` is the median less it (what the round adds to a round trip)."""
     stub, client = stub_client(n, sampled)
     rounds = DraftRounds(client)
     k = accepted + 1
-    kw: dict[str, Any] = dict(seed=0, top_k=TOP_K, temperature=0.8, top_p=0.95) if sampled \
-        else {}
-    anchor = [W + 1] * n
+    slots = np.arange(n, dtype=np.int64)
+    seeds = (1000 + slots).astype(np.uint64)
+    kw: dict[str, Any] = dict(seed=seeds, top_k=TOP_K, temperature=0.8, top_p=0.95) \
+        if sampled else {}
+    anchor = np.full(n, W + 1, np.int64)
     pool = np.random.default_rng(1).integers(0, 256, (W + 64, ROW_BYTES), dtype=np.uint8)
-    # Round 1 resyncs every slot; the reply must then match each later round's entries, so the
-    # stub's reply is rebuilt from the entries of the round about to run.
-    reqs0 = [SlotRequest(slot=i, generation=3, anchor_pos=anchor[i], anchor_token=i,
-                         rows=pool[:anchor[i]], n_out=N, **{**kw, "seed": 1000 + i} if kw
-                         else {}) for i in range(n)]
-    stub.step_reply = make_reply(1, [_entry(r) for r in reqs0], sampled, client.session)
-    assert rounds.run(reqs0).ok, client.stats.get("last_bad_reply")
+    replies = RoundReplies(n, sampled, seeds)
     state = {"step": 1}
+    # Round 1 resyncs every slot.
+    stub.step_reply = replies.frame(1, anchor, client.session)
+    res = rounds.run([SlotRequest(slot=i, generation=3, anchor_pos=W + 1, anchor_token=i,
+                                  rows=pool[:W + 1], n_out=N,
+                                  **(dict(seed=1000 + i, top_k=TOP_K, temperature=0.8,
+                                          top_p=0.95) if sampled else {})) for i in range(n)])
+    assert res.ok, (res.reason, client.stats.get("last_bad_reply"))
+    stub.rtt_us = rtt_us
+    new_rows = np.ascontiguousarray(np.concatenate([pool[:k]] * n))
+    counts = np.full(n, k, np.int64)
 
-    def one() -> None:
+    def prepare() -> Callable[[], Any]:
         state["step"] += 1
-        reqs = []
-        for i in range(n):
-            anchor[i] += k
-            reqs.append(SlotRequest(slot=i, generation=3, anchor_pos=anchor[i], anchor_token=i,
-                                    rows=pool[:k], n_out=N,
-                                    **({**kw, "seed": 1000 + i} if kw else {})))
-        rep = bytearray(stub.step_reply)
-        struct.pack_into("<Q", rep, wire.APP_HEADER_SIZE, state["step"])  # step_id echo
-        stub.step_reply = bytes(rep)
-        res = rounds.run(reqs)
-        if not res.ok:
-            raise RuntimeError(f"round failed: {res.reason}")
+        anchor[:] += k
+        stub.step_reply = replies.frame(state["step"], anchor, client.session)
+        if form == "batch":
+            a = anchor.copy()
+            return lambda: rounds.run_batch(slots, 3, a, slots, N, new_rows, counts, **kw)
+        reqs = [SlotRequest(slot=i, generation=3, anchor_pos=int(anchor[i]), anchor_token=i,
+                            rows=new_rows[i * k:(i + 1) * k], n_out=N,
+                            **(dict(seed=1000 + i, top_k=TOP_K, temperature=0.8, top_p=0.95)
+                               if sampled else {})) for i in range(n)]
+        return lambda: rounds.run(reqs)
 
-    # The precomputed reply holds anchor-dependent draws on sampled sessions; re-derive per
-    # round would dominate, so rounds are timed greedy-only.
-    res = timeit(one, seconds) if not sampled else {}
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < 60 or time.perf_counter() < deadline:
+        call = prepare()
+        t0 = time.perf_counter_ns()
+        out = call()
+        dt = (time.perf_counter_ns() - t0) / 1000.0
+        if not out.ok:
+            raise RuntimeError(f"round failed: {out.reason} {client.stats.get('last_bad_reply')}")
+        times.append(dt)
+    times = sorted(times[10:])  # the first rounds warm the caches
     client.close()
-    return {"what": "rounds.run", "n": n, "N": N, "sampled": sampled,
-            "rows_per_slot": k, "row_bytes": ROW_BYTES, **res}
-
-
-def _entry(r: SlotRequest) -> wire.ReqEntry:
-    return wire.ReqEntry(slot=r.slot, generation=r.generation, anchor_pos=r.anchor_pos,
-                         anchor_token=r.anchor_token, seed=r.seed, top_k=r.top_k,
-                         temperature=r.temperature, top_p=r.top_p, flags=wire.RF_NEED_DRAFT)
+    out = {"what": f"rounds.{'run_batch' if form == 'batch' else 'run'}", "n": n, "N": N,
+           "sampled": sampled, "rows_per_slot": k, "row_bytes": ROW_BYTES,
+           "median_us": statistics.median(times), "p90_us": times[int(0.9 * len(times))],
+           "min_us": times[0], "iters": float(len(times))}
+    if rtt_us:
+        out["added_us"] = out["median_us"] - rtt_us
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,24 +442,33 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: sampled step() at 256 entries when the stub sleeps this many"
                         " ms before it answers (0 = not), the client's own time per STEP")
     p.add_argument("--repeat", type=int, default=0, metavar="ROUNDS",
-                   help="instead: step() at 256 entries only (greedy and sampled, entries as"
-                        " objects and, where taken, as an array), ROUNDS short medians each,"
-                        " interleaved; prints the smallest and the median of them (a steadier"
-                        " figure on a shared machine)")
+                   help="instead: step() at 256 entries (greedy and sampled, entries as"
+                        " objects and, where taken, as an array) and the rounds (run_batch,"
+                        " run), ROUNDS short medians each, interleaved; prints the smallest and"
+                        " the median of them (a steadier figure on a shared machine)")
     args = p.parse_args(argv)
     TOP_K = args.top_k
     if args.repeat:
-        cases = [(sampled, as_array) for as_array in (False, True) for sampled in (False, True)
-                 if not as_array or takes_arrays()]
-        got: dict[tuple[bool, bool], list[float]] = {c: [] for c in cases}
+        cases = [("step", sampled, as_array) for as_array in (False, True)
+                 for sampled in (False, True) if not as_array or takes_arrays()]
+        forms = ("batch", "list") if hasattr(DraftRounds, "run_batch") else ("list",)
+        cases += [(form, sampled, False) for form in forms for sampled in (False, True)]
+        got: dict[tuple[str, bool, bool], list[float]] = {c: [] for c in cases}
         for _ in range(args.repeat):
-            for sampled, as_array in cases:
-                r = bench_step(256, sampled, 0.3, 0.0, as_array=as_array)
-                got[(sampled, as_array)].append(r["median_us"])
-        for (sampled, as_array), meds in got.items():
-            what = "step[array]" if as_array else "step"
-            print(f"{what:<11} {'sampled' if sampled else 'greedy':<8} n 256: min {min(meds):.1f}"
-                  f" median {statistics.median(meds):.1f} us over {len(meds)} rounds")
+            for what, sampled, as_array in cases:
+                r = (bench_step(256, sampled, 0.3, 0.0, as_array=as_array) if what == "step"
+                     else bench_rounds(256, sampled, 0.3, form=what))
+                got[(what, sampled, as_array)].append(r["median_us"])
+        names = {"step": "step", "batch": "run_batch", "list": "run"}
+        for (what, sampled, as_array), meds in got.items():
+            name = "step[array]" if as_array else names[what]
+            ratio = ""
+            if what != "step":  # the round against step() alone, round by round
+                base = got[("step", sampled, False)]
+                ratio = "  x step(): " + " ".join(f"{m / b:.2f}" for m, b in zip(
+                    meds, base, strict=True))
+            print(f"{name:<11} {'sampled' if sampled else 'greedy':<8} n 256: min {min(meds):.1f}"
+                  f" median {statistics.median(meds):.1f} us over {len(meds)} rounds{ratio}")
         return 0
     if args.after_sleep:
         for ms in (float(x) for x in args.after_sleep.split(",")):
@@ -424,8 +491,11 @@ def main(argv: list[str] | None = None) -> int:
     if takes_arrays():
         for sampled in (False, True):  # entries handed over as an array
             results.append(bench_step(256, sampled, seconds, args.rtt_us, as_array=True))
-    for n in (1, 64, 256):
-        results.append(bench_rounds(n, False, seconds))
+    for sampled in (False, True):
+        for form in ("batch", "list") if hasattr(DraftRounds, "run_batch") else ("list",):
+            for n in (1, 64, 256):
+                results.append(bench_rounds(n, sampled, seconds, form=form,
+                                            rtt_us=args.rtt_us))
     env = {"python": sys.version.split()[0], "numpy": np.__version__,
            "machine": platform.machine(), "cpus": os.cpu_count()}
     if args.json:

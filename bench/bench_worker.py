@@ -560,7 +560,7 @@ def taps_25600_checkpoint(directory: str) -> str:
     from dspark_worker.drafter.checkpoint import save_checkpoint
     from dspark_worker.drafter.config import DrafterConfig
     from dspark_worker.drafter.embedded import init_random_
-    from dspark_worker.drafter.model import build_model
+    from dspark_worker.drafter.families import build_model
 
     cfg = DrafterConfig(
         hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -137,10 +137,11 @@ class _Ahead:
     calls it once the STEP is sent, while the reply is on its way. Should that fail or not
     happen, the checks make their parts when the reply is in (raising there)."""
 
-    __slots__ = ("asked", "client", "draws", "sent", "values")
+    __slots__ = ("also", "asked", "client", "draws", "sent", "values")
 
-    def __init__(self, client: RemoteDraftClient, sent: np.ndarray) -> None:
-        self.client, self.sent = client, sent
+    def __init__(self, client: RemoteDraftClient, sent: np.ndarray,
+                 also: Callable[[], None] | None = None) -> None:
+        self.client, self.sent, self.also = client, sent, also
         self.values: ValuesAhead | None = None
         self.draws: ReplyCheck | None = None
         self.asked: np.ndarray | None = None
@@ -153,6 +154,8 @@ class _Ahead:
                 self.draws = self._draws()
         except Exception:  # made again, and raised, where the reply is checked
             self.values = self.draws = None
+        if self.also is not None:  # the caller's own work for the round trip (step())
+            self.also()
 
     def sampled_check(self) -> tuple[ReplyCheck, np.ndarray | None]:
         """The draws' check, and per entry whether it asked for a draft (None: every one)."""
@@ -894,6 +897,7 @@ class RemoteDraftClient:
         epoch: int | None = None,
         rows: Any = None,
         sample_meta: list[SampleMeta] | None = None,
+        while_waiting: Callable[[], None] | None = None,
     ) -> StepOutcome:
         """Send one STEP and check its reply.
 
@@ -908,7 +912,10 @@ class RemoteDraftClient:
         newer the STEP is not sent (reason "reconnected": its slots were never resynced).
         ``sample_meta``: per entry ``(seed, top_k, temperature, top_p)``, overriding the
         entries' sampling fields. ``entries`` may also be a one-dimensional
-        ``wire.ENTRY_DTYPE`` array (``wire.pack_step_prefix``), copied in whole."""
+        ``wire.ENTRY_DTYPE`` array (``wire.pack_step_prefix``), copied in whole.
+        ``while_waiting``: the caller's own work for the round trip (it needs no reply), run
+        once the STEP is sent; it must not raise. It is not run when the STEP is not sent, so
+        the caller checks."""
         if self.disabled or self._forked():
             return StepOutcome(False, reason="disabled")
         with self._lock:
@@ -965,7 +972,7 @@ class RemoteDraftClient:
                            body_len=body_len).pack_into(buf, 0)
             # What the reply's checks need of the request alone is computed while the reply
             # is on its way, where the transport offers that.
-            ahead = _Ahead(self, sent)
+            ahead = _Ahead(self, sent, while_waiting)
             t0 = time.perf_counter()
             try:
                 if getattr(conn, "runs_while_waiting", False):

@@ -1,19 +1,23 @@
 """Rank 0's side of the draft rounds (docs/contract.md sections 7.1, 7.3 and 7.5).
 
-The engine calls ``DraftRounds.run`` once per step with, per slot it schedules, the slot's
-generation, anchor, the tap rows committed since the last call and the draft depth it wants.
-``DraftRounds``:
+The engine calls ``DraftRounds.run_batch`` (or ``run``, the same with one ``SlotRequest`` per
+slot) once per step with, per slot it schedules, the slot's generation, anchor, the tap rows
+committed since the last call and the draft depth it wants. ``run_batch`` takes them as arrays
+(the form an engine's input batch already has) and does its work in numpy calls over all
+slots at once, so its cost hardly grows with the slots; ``run`` gathers the requests' fields
+into those arrays and calls it. ``DraftRounds``:
 
-* keeps every slot's newest W rows in a ``TapRing`` (a resync sends them again);
+* keeps every slot's newest W rows in a ``TapRing`` (a resync sends them again): every round's
+  new rows go into it in one scatter;
 * decides, per slot, whether the worker's window can be continued or must be resynced: a new
   generation, a new epoch (every accepted HELLO), an unknown apply (timeout, transport error,
   refused reply), a failed round, a PARTIAL_WINDOW or NO_WINDOW reply while the ring holds more,
   or rows that do not continue what the worker last saw. (7.5 resyncs every PARTIAL_WINDOW and
   NO_WINDOW slot; when the ring holds no more than the worker reported, because the engine never
   handed over older rows, that resync would resend the same rows every round, so it is skipped);
-* builds the STEP's entries (RF_RESET with the newest ``min(W, anchor_pos)`` rows from the ring
-  for a resync, RF_RELEASE for finished slots), gathers the rows once into a reused staging
-  buffer and sends [headers, rows] through ``RemoteDraftClient.step`` without another copy;
+* builds the STEP's entries as one ``ENTRY_DTYPE`` array (RF_RESET with the newest
+  ``min(W, anchor_pos)`` rows from the ring for a resync, RF_RELEASE for finished slots) and
+  sends [headers, rows] through ``RemoteDraftClient.step``;
 * returns per slot the usable drafts, or a target-only round when the STEP failed. It never
   waits past the client's ``timeout_ms``, and RS_STALE_GENERATION starts a new session.
 
@@ -36,12 +40,14 @@ plain entries that continue it, and the slot drafts when its window reaches the 
 budget is probed upwards again after a run of good STEPs. Under ``MIN_ROW_BUDGET`` the client is
 disabled with a message naming the sizes.
 
-Copies per round: a continuing slot's new rows are copied once into staging and scattered from
-there into the ring in one call; a resync's rows are gathered from the ring into staging. The
-STEP goes out as [headers, staging view] with scatter-gather, so nothing is copied after that.
+Copies per round: every new row is copied once into the ring. When every slot continues with
+exactly its new rows (the usual round), the STEP's rows are the engine's own array, sent as it
+is (on a ``unix+shm://`` endpoint copied once into the shared region instead); otherwise the
+STEP's rows are gathered from the ring into the staging buffer in one call. Nothing is copied
+after that: the STEP goes out as [headers, rows] with scatter-gather.
 
 Lifetime: the arrays of a ``RoundResult`` are views over the client's reply buffer (or this
-object's zero arrays) and stay valid until the next ``run``. Copy what must live longer.
+object's zero arrays) and stay valid until the next round. Copy what must live longer.
 """
 
 from __future__ import annotations
@@ -58,7 +64,6 @@ import numpy.typing as npt
 
 from protocol import wire
 from protocol.constants import MAX_TOP_K
-from protocol.messages import ReqEntry
 
 from .client import SIZE_SUSPECT_BYTES, RemoteDraftClient
 from .ring import TapRing
@@ -68,9 +73,12 @@ __all__ = ["MIN_ROW_BUDGET_PARTS", "NOT_SENT", "PROBE_AFTER_OK_STEPS", "SIZE_FAI
 
 log = logging.getLogger("dspark_client")
 
+Ints = npt.NDArray[np.int64]
+
 # Request status reported for a slot that was not in the STEP (failed round, deferred).
 NOT_SENT: Final = 255
 _NO_EPOCH: Final = -1
+_NONE: Final = -1  # "no generation" in the per-slot generation arrays
 # Size refusals in a row (STEPs over SIZE_SUSPECT_BYTES cut off or refused ST_BAD_FRAME) that
 # halve the row budget: one alone is as likely a worker restart or a network cut.
 SIZE_FAILURES_TO_SHRINK: Final = 2
@@ -84,6 +92,9 @@ MIN_ROW_BUDGET_PARTS: Final = 8
 # Entry kinds of a round's plan.
 _CONT: Final = 0  # continues the worker's window: new rows, or a backlog from the ring
 _RESYNC: Final = 1  # RF_RESET with the ring's newest rows (or its oldest part, when split)
+_NO_ENTRIES: Final = np.zeros(0, wire.ENTRY_DTYPE)
+# Generations are kept as int64 (the wire carries the low 32 bits, 7.1).
+_MAX_GENERATION: Final = (1 << 63) - 1
 
 
 def fair_bound_rounds(n_slots: int, budget: int, window: int) -> int:
@@ -96,7 +107,7 @@ def fair_bound_rounds(n_slots: int, budget: int, window: int) -> int:
 
 
 class SlotRequest(msgspec.Struct, gc=False):
-    """One slot's part of a round.
+    """One slot's part of a round (``DraftRounds.run``).
 
     rows: the tap rows of positions ``[anchor_pos - n, anchor_pos)`` committed since the last
         round (``uint8 [n, row_bytes]``, any numpy view; None or n = 0 for none).
@@ -117,7 +128,7 @@ class SlotRequest(msgspec.Struct, gc=False):
 
 
 class RoundResult(msgspec.Struct, gc=False):
-    """What one round gives, in the order of the requests passed to ``run``.
+    """What one round gives, in the order of the requests passed to ``run`` / ``run_batch``.
 
     ok: the worker answered (False: target-only round; ``reason`` says why).
     num_drafted[i]: usable draft positions of request i (0: target-only for that slot).
@@ -139,6 +150,78 @@ class RoundResult(msgspec.Struct, gc=False):
     rtt_us: float = 0.0
 
 
+class _Round(msgspec.Struct, gc=False):
+    """One round's requests as arrays (int64 unless said), checked."""
+
+    slots: Ints
+    generation: Ints
+    anchor_pos: Ints
+    anchor_token: Ints
+    n_out: Ints
+    n_rows: Ints
+    rows: npt.NDArray[np.uint8] | None
+    row_offsets: Ints | None  # None: back to back in ``rows``, in request order
+    seed: npt.NDArray[np.uint64] | None  # the sampling fields, None on a greedy session
+    top_k: Ints | None
+    temperature: npt.NDArray[np.float64] | None
+    top_p: npt.NDArray[np.float64] | None
+
+
+class _Later:
+    """Work for the round trip (``RemoteDraftClient.step(while_waiting=...)``): run once, in
+    the transport or, when the STEP was never sent, by ``finish``; an error is raised from
+    ``finish``, not inside the transport."""
+
+    __slots__ = ("args", "done", "error", "fn")
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self.fn, self.args = fn, args
+        self.done = False
+        self.error: BaseException | None = None
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            try:
+                self.fn(*self.args)
+            except BaseException as exc:  # raised again by finish()
+                self.error = exc
+
+    def finish(self) -> None:
+        self()
+        if self.error is not None:
+            raise self.error
+
+
+def _column(values: Any, n: int, name: str, dtype: Any) -> Any:
+    """``values`` (one per request, or one for all) as an array of ``dtype``. Values the dtype
+    cannot hold are kept as Python objects, so that the range checks name them."""
+    if type(values) is np.ndarray and values.dtype == dtype and values.shape == (n,):
+        return values  # the usual batch column: as it is
+    raw = np.asarray(values)
+    if raw.ndim == 0:
+        raw = np.full(n, raw[()], raw.dtype)
+    if raw.shape != (n,):
+        raise ValueError(f"{name} has shape {raw.shape}, expected ({n},): one per request")
+    if not n:
+        return np.zeros(0, dtype)
+    kind, want = raw.dtype.kind, np.dtype(dtype).kind
+    if kind == "O":
+        return raw
+    if kind not in ("iub" if want in "iu" else "iubf"):
+        raise ValueError(f"{name} must be {'integers' if want in 'iu' else 'numbers'},"
+                         f" got {raw.dtype}")
+    if n and ((kind == "u" and want == "i" and raw.max() > np.iinfo(np.int64).max)
+              or (kind == "i" and want == "u" and raw.min() < 0)):
+        return raw.astype(object)
+    return raw.astype(dtype, copy=False)
+
+
+def _py(value: Any) -> Any:
+    """A numpy scalar as the Python value (for messages)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 class DraftRounds:
     """Rank 0's round driver for one ``RemoteDraftClient`` (single-threaded: the engine's
     scheduler thread)."""
@@ -156,21 +239,23 @@ class DraftRounds:
         self.max_rows_per_step = h.max_rows_per_step
         self.sampled = h.sample_mode == wire.SAMPLE_TOP32
         self.ring = TapRing(h.max_slots, h.window, h.row_bytes)
-        # Rows go out from here: one gather per round, then scatter-gather send.
-        # On a unix+shm:// endpoint this is the shared-memory region (section 13), so the gather
-        # is the only copy of a round's rows and nothing crosses the socket.
+        # Rows that do not go out as the engine's own array are gathered here. On a
+        # unix+shm:// endpoint this is the shared-memory region (section 13), so the gather is
+        # the only copy of a round's rows and nothing crosses the socket.
         self.staging: npt.NDArray[np.uint8] = client.rows_buffer(h.max_rows_per_step)
+        self._shm = client.shm_region is not None
         self._headers = bytearray(wire.APP_HEADER_SIZE + wire.rows_offset_for(h.max_slots))
         self._step_id = 0
-        # Per slot: the engine's generation of its current request (None: free), what the
+        S = h.max_slots
+        # Per slot: the engine's generation of its current request (_NONE: free), what the
         # worker last applied (generation, anchor), and the epoch its window is valid in.
-        self._gen: list[int | None] = [None] * h.max_slots
-        self._worker_gen: list[int | None] = [None] * h.max_slots
-        self._worker_end: list[int] = [0] * h.max_slots
-        self._synced_epoch: list[int] = [_NO_EPOCH] * h.max_slots
+        self._gen: Ints = np.full(S, _NONE, np.int64)
+        self._worker_gen: Ints = np.full(S, _NONE, np.int64)
+        self._worker_end: Ints = np.zeros(S, np.int64)
+        self._synced_epoch: Ints = np.full(S, _NO_EPOCH, np.int64)
         # Rounds in a row each slot was asked for and left out (its age for the row budget).
-        self._waiting: list[int] = [0] * h.max_slots
-        self._starved: set[int] = set()
+        self._waiting: Ints = np.zeros(S, np.int64)
+        self._starved = np.zeros(S, bool)
         # The row budget in force: max_rows_per_step, lowered after size refusals.
         self.row_budget = h.max_rows_per_step
         self._size_failures = 0  # size refusals in a row
@@ -180,10 +265,10 @@ class DraftRounds:
         self._publish_budget()
         client.stats.set("starved_slots_now", 0)
         N = h.num_spec
-        self._zero_ids = np.zeros((h.max_slots, N), np.int32)
-        self._zero_conf = np.zeros((h.max_slots, N), np.float32)
-        self._zero_sup = np.zeros((h.max_slots, N, MAX_TOP_K), np.int32) if self.sampled else None
-        self._zero_q = np.zeros((h.max_slots, N, MAX_TOP_K), np.uint32) if self.sampled else None
+        self._zero_ids = np.zeros((S, N), np.int32)
+        self._zero_conf = np.zeros((S, N), np.float32)
+        self._zero_sup = np.zeros((S, N, MAX_TOP_K), np.int32) if self.sampled else None
+        self._zero_q = np.zeros((S, N, MAX_TOP_K), np.uint32) if self.sampled else None
         self.rounds = 0
         self.failed_rounds = 0
 
@@ -191,55 +276,308 @@ class DraftRounds:
     def needs_resync(self, slot: int) -> bool:
         """Whether the slot's next entry will be a resync (for tests and tools)."""
         epoch = self.client.connection_epoch()
-        return epoch is None or self._synced_epoch[slot] != epoch
+        return epoch is None or int(self._synced_epoch[slot]) != epoch
 
     def forget(self, slot: int) -> None:
         """Drop rank 0's state of a slot without telling the worker (e.g. after RESET)."""
-        self._gen[slot] = None
-        self._worker_gen[slot] = None
-        self._synced_epoch[slot] = _NO_EPOCH
-        self._waiting[slot] = 0
-        if slot in self._starved:
-            self._starved.discard(slot)
-            self.client.stats.set("starved_slots_now", len(self._starved))
-        self.ring.clear(slot)
+        self._forget(np.asarray([slot], np.int64))
 
     def run(self, requests: Sequence[SlotRequest], release: Iterable[int] = ()) -> RoundResult:
-        """One round: apply the requests' rows to the ring, send one STEP, return the drafts.
+        """One round, one ``SlotRequest`` per slot: ``run_batch`` with the requests' fields
+        gathered into arrays (their rows copied back to back once, into the staging buffer
+        when they fit).
 
         ``release``: slots whose requests finished; the worker frees them (RF_RELEASE) and rank
         0 forgets them. A slot both released and requested is taken as a new request."""
-        t0 = time.perf_counter()
         n = len(requests)
-        self._validate(requests)
-        releases = self._releases(requests, release)
+        if n:
+            (slots, gens, anchors, tokens, rows_in, n_out, seeds, top_ks, temps,
+             top_ps) = zip(*map(msgspec.structs.astuple, requests), strict=True)
+        else:
+            slots = gens = anchors = tokens = rows_in = n_out = seeds = top_ks = temps = \
+                top_ps = ()
+        rb = self.row_bytes
+        parts = [r for r in rows_in if r is not None]
+        bad_rows = -1  # the first request whose rows are not uint8 [n, row_bytes]
+        flat = None
+        try:
+            # Every part must be a uint8 [n, row_bytes] array: concatenate refuses other
+            # widths, ranks and (casting "no") dtypes, isinstance other objects.
+            if not all(isinstance(r, np.ndarray) for r in parts):
+                raise TypeError("rows that are not arrays")
+            counts = np.fromiter((0 if r is None else r.shape[0] for r in rows_in), np.int64,
+                                 count=n)
+            total = int(counts.sum())
+            if len(parts) == 1 and parts[0].dtype == np.uint8 and parts[0].ndim == 2 and \
+                    parts[0].shape[1] == rb:
+                flat = parts[0]
+            elif total or parts:
+                # Into staging when they fit: run_batch reads them before it writes staging.
+                out = self.staging[:total] if total <= len(self.staging) else \
+                    np.empty((total, rb), np.uint8)
+                flat = np.concatenate(parts, out=out, casting="no")
+            if flat is not None and flat.shape[1:] != (rb,):
+                raise ValueError("rows of another width")
+        except (TypeError, ValueError, IndexError, AttributeError):
+            # Name the first offender (the checks of run_batch report it in request order).
+            flat, counts = None, np.zeros(n, np.int64)
+            for i, r in enumerate(rows_in):
+                if r is None:
+                    continue
+                if not isinstance(r, np.ndarray) or r.dtype != np.uint8 or r.ndim != 2 or \
+                        r.shape[1] != rb:
+                    bad_rows = i
+                    break
+                counts[i] = r.shape[0]
+            if bad_rows < 0:
+                raise
+            counts[bad_rows:] = 0
+        sampling = (seeds, top_ks, temps, top_ps) if self.sampled or any(top_ks) or \
+            any(seeds) or any(temps) or any(top_ps) else None
+        rnd = self._round(slots, gens, anchors, tokens, n_out, flat, counts, None, sampling,
+                          bad_rows=bad_rows, rows_in=rows_in)
+        return self._run(rnd, release)
+
+    def run_batch(self, slots: Any, generation: Any, anchor_pos: Any, anchor_token: Any,
+                  n_out: Any, rows: npt.NDArray[np.uint8] | None = None,
+                  n_rows: Any = None, *, row_offsets: Any = None, release: Any = (),
+                  seed: Any = None, top_k: Any = None, temperature: Any = None,
+                  top_p: Any = None) -> RoundResult:
+        """One round, given as arrays with one value per request (a scalar stands for all):
+        apply the rows to the ring, send one STEP, return the drafts.
+
+        slots, generation, anchor_pos, anchor_token, n_out: as the ``SlotRequest`` fields.
+        rows ``uint8 [R, row_bytes]``, n_rows: request i's new rows, of positions
+        ``[anchor_pos[i] - n_rows[i], anchor_pos[i])``, are ``n_rows[i]`` rows of ``rows``,
+        back to back in request order, or from ``row_offsets[i]`` on when given (an engine
+        whose hidden states hold rejected positions between requests' accepted ones). No
+        rows: ``rows`` None (n_rows then all 0). seed, top_k, temperature, top_p: sampled
+        sessions only (None: greedy entries). ``release``: as in ``run``.
+
+        The result's arrays follow the request order; it stays valid until the next round.
+        The arrays are read, never kept or written: the engine may reuse them at once. The
+        rows may lie in ``self.staging`` from its start (where an engine's device-to-host copy
+        can land them): on a ``unix+shm://`` endpoint that is the shared region, and the usual
+        round then copies no row before the send."""
+        n = int(np.size(slots))
+        if rows is not None and (not isinstance(rows, np.ndarray) or rows.dtype != np.uint8
+                                 or rows.ndim != 2 or rows.shape[1] != self.row_bytes):
+            raise ValueError(
+                f"rows must be a uint8 array [n, {self.row_bytes}], got"
+                f" {getattr(rows, 'dtype', type(rows).__name__)} {getattr(rows, 'shape', '')}")
+        counts = _column(0 if n_rows is None else n_rows, n, "n_rows", np.int64)
+        if counts.dtype == object or (n and counts.min() < 0):
+            i = int(np.flatnonzero(counts < 0)[0]) if counts.dtype != object else 0
+            raise ValueError(f"n_rows[{i}] is {_py(counts[i])}: row counts are >= 0")
+        have = 0 if rows is None else rows.shape[0]
+        offsets = None
+        if row_offsets is not None:
+            offsets = _column(row_offsets, n, "row_offsets", np.int64)
+            past = (offsets < 0) | (offsets + counts > have)
+            if past.any():
+                i = int(np.flatnonzero(past)[0])
+                raise ValueError(f"slot {int(np.asarray(slots).reshape(-1)[i])}: rows"
+                                 f" [{_py(offsets[i])}, {offsets[i] + counts[i]}) outside the"
+                                 f" {have} rows given")
+            if (offsets == np.cumsum(counts) - counts).all():
+                offsets = None
+        elif int(counts.sum()) != have:
+            raise ValueError(f"n_rows add up to {int(counts.sum())} rows, {have} given")
+        sampling = None if seed is None and top_k is None and temperature is None and \
+            top_p is None else (0 if seed is None else seed, 0 if top_k is None else top_k,
+                                0.0 if temperature is None else temperature,
+                                0.0 if top_p is None else top_p)
+        rnd = self._round(slots, generation, anchor_pos, anchor_token, n_out, rows, counts,
+                          offsets, sampling)
+        return self._run(rnd, release)
+
+    # -- checks -------------------------------------------------------------------------------
+    def _round(self, slots: Any, generation: Any, anchor_pos: Any, anchor_token: Any,
+               n_out: Any, rows: npt.NDArray[np.uint8] | None, counts: Ints,
+               offsets: Ints | None, sampling: tuple[Any, Any, Any, Any] | None, *,
+               bad_rows: int = -1, rows_in: Sequence[Any] = ()) -> _Round:
+        """The round's arrays, refused when they would make the worker answer ST_BAD_FRAME
+        (fatal for the engine run): these are the engine's programming errors, raised before
+        anything is sent or changed, naming the first request (in order) that breaks a rule
+        and the first rule it breaks."""
+        s = _column(slots, int(np.size(slots)), "slots", np.int64)
+        n = len(s)
+        g = _column(generation, n, "generation", np.int64)
+        a = _column(anchor_pos, n, "anchor_pos", np.int64)
+        t = _column(anchor_token, n, "anchor_token", np.int64)
+        k = _column(n_out, n, "n_out", np.int64)
+        if sampling is not None:
+            seed = _column(sampling[0], n, "seed", np.uint64)
+            top_k = _column(sampling[1], n, "top_k", np.int64)
+            temp = _column(sampling[2], n, "temperature", np.float64)
+            top_p = _column(sampling[3], n, "top_p", np.float64)
+        on_s = self.sampled and sampling is not None
+        if bad_rows < 0 and self._looks_fine(s, g, a, t, k, counts, sampling and (
+                seed, top_k, temp, top_p)):
+            return _Round(
+                slots=s, generation=g, anchor_pos=a, anchor_token=t, n_out=k, n_rows=counts,
+                rows=rows, row_offsets=offsets,
+                seed=np.where(top_k != 0, seed, 0).astype(np.uint64) if on_s else None,
+                top_k=top_k if on_s else None, temperature=temp if on_s else None,
+                top_p=top_p if on_s else None)
+        S, N, U32 = self.max_slots, self.num_spec, wire.U32_MASK
+        in_range = (s >= 0) & (s < S)
+        # Each check: (where it fails, its message for request i), in the order of the rules;
+        # ``at(i)`` names the request's slot.
+
+        def at(i: int) -> str:
+            return f"slot {_py(s[i])}"
+
+        checks: list[tuple[Any, Any]] = [
+            (~in_range, lambda i: f"slot {_py(s[i])!r} outside [0, {S})")]
+        if n and not in_range.all():
+            self._raise_first(checks, n)
+        su = s.astype(np.int64)
+        twice = np.zeros(n, bool)
+        if n and np.bincount(su, minlength=S).max() > 1:
+            order = np.argsort(su, kind="stable")
+            twice[order[1:][su[order[1:]] == su[order[:-1]]]] = True  # every later occurrence
+        prev_g = self._gen[su]
+        checks += [
+            (twice, lambda i: f"{at(i)} appears twice in one round"),
+            (g < 0, lambda i: f"{at(i)}: generation {_py(g[i])} < 0"),
+            ((prev_g != _NONE) & (g < prev_g),
+             lambda i: f"{at(i)}: generation {_py(g[i])} is older than the slot's"
+                       f" {_py(prev_g[i])}; generations only rise (7.1)"),
+            ((a < 0) | (a > U32), lambda i: f"{at(i)}: anchor_pos {_py(a[i])} outside [0, 2**32)"),
+            ((t < 0) | (t > U32),
+             lambda i: f"{at(i)}: anchor_token {_py(t[i])} outside [0, 2**32)"),
+        ]
+        if bad_rows >= 0:
+            r = rows_in[bad_rows]
+            bad = np.zeros(n, bool)
+            bad[bad_rows] = True
+            checks.append((bad, lambda i: (
+                f"{at(i)}: rows must be a uint8 array [n, {self.row_bytes}], got "
+                f"{getattr(r, 'dtype', type(r).__name__)} {getattr(r, 'shape', '')}")))
+        checks += [
+            (counts > a, lambda i: f"{at(i)}: {_py(counts[i])} rows but anchor_pos {_py(a[i])};"
+                                   " rows exist only before the anchor"),
+            ((k < 0) | (k > N), lambda i: f"{at(i)}: n_out {_py(k[i])} outside [0, {N}]"),
+        ]
+        if sampling is not None and self.sampled:
+            on = top_k != 0
+            checks += [
+                (on & ((top_k < 0) | (top_k > MAX_TOP_K)),
+                 lambda i: f"{at(i)}: top_k {_py(top_k[i])} outside [0, {MAX_TOP_K}]"),
+                (on & ~(np.isfinite(temp.astype(np.float64)) & (temp > 0)),
+                 lambda i: f"{at(i)}: temperature {_py(temp[i])!r} must be a finite number > 0"
+                           " when top_k > 0"),
+                (on & ~(np.isfinite(top_p.astype(np.float64)) & (top_p >= 0) & (top_p <= 1)),
+                 lambda i: f"{at(i)}: top_p {_py(top_p[i])!r} outside [0, 1]"),
+                (on & ((seed < 0) | (seed >= (1 << 64))),
+                 lambda i: f"{at(i)}: seed {_py(seed[i])} outside [0, 2**64)"),
+            ]
+        elif sampling is not None:
+            checks.append(((top_k != 0) | (seed != 0) | (temp != 0) | (top_p != 0),
+                           lambda i: f"{at(i)}: sampling fields on a greedy session (top_k"
+                                     f" {_py(top_k[i])}, seed {_py(seed[i])}); HELLO with"
+                                     " SAMPLE_TOP32 to sample"))
+        if n:
+            self._raise_first(checks, n)
+        if g.dtype == object:  # every check passed, yet past int64
+            i = int(np.flatnonzero(g > _MAX_GENERATION)[0])
+            raise ValueError(f"{at(i)}: generation {_py(g[i])} outside [0, 2**63)")
+        return _Round(
+            slots=su, generation=g, anchor_pos=a.astype(np.int64),
+            anchor_token=t.astype(np.int64), n_out=k, n_rows=counts, rows=rows,
+            row_offsets=offsets,
+            seed=np.where(top_k != 0, seed, 0).astype(np.uint64) if on_s else None,
+            top_k=top_k if on_s else None, temperature=temp if on_s else None,
+            top_p=top_p if on_s else None)
+
+    def _looks_fine(self, s: Any, g: Any, a: Any, t: Any, k: Any, counts: Ints,
+                    sampling: tuple[Any, Any, Any, Any] | None) -> bool:
+        """The rules of ``_round`` by a few reductions over whole columns: True when every
+        request keeps them (the usual round); False sends the round through the request by
+        request checks, which name the first offender."""
+        if not len(s):
+            return True
+        if any(x.dtype == object for x in (s, g, a, t, k)):
+            return False
+        S, U32 = self.max_slots, wire.U32_MASK
+        if s.min() < 0 or s.max() >= S or np.bincount(s, minlength=S).max() > 1:
+            return False
+        # A free slot's generation is _NONE (-1): below every generation >= 0.
+        if g.min() < 0 or (g < self._gen[s]).any():
+            return False
+        if a.min() < 0 or a.max() > U32 or t.min() < 0 or t.max() > U32:
+            return False
+        if (counts > a).any() or k.min() < 0 or k.max() > self.num_spec:
+            return False
+        if sampling is None:
+            return True
+        seed, top_k, temp, top_p = sampling
+        if any(x.dtype == object for x in sampling):
+            return False
+        if not self.sampled:
+            return not (top_k.any() or seed.any() or temp.any() or top_p.any())
+        if top_k.min() < 0 or top_k.max() > MAX_TOP_K:
+            return False
+        on = top_k != 0
+        return not (on & ~(np.isfinite(temp) & (temp > 0) & np.isfinite(top_p) & (top_p >= 0)
+                           & (top_p <= 1))).any()
+
+    @staticmethod
+    def _raise_first(checks: list[tuple[Any, Any]], n: int) -> None:
+        masks = [np.asarray(m, bool) for m, _ in checks]
+        bad = np.logical_or.reduce(masks) if len(masks) > 1 else masks[0]
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            for m, (_, msg) in zip(masks, checks, strict=True):
+                if m[i]:
+                    raise ValueError(msg(i))
+            raise AssertionError("unreachable")
+
+    # -- the round ----------------------------------------------------------------------------
+    def _run(self, rnd: _Round, release: Any) -> RoundResult:
+        t0 = time.perf_counter()
+        n = len(rnd.slots)
+        releases = self._releases(rnd.slots, release)
         self.rounds += 1
         client = self.client
         epoch = client.connection_epoch()
-        if epoch is None:
-            # Target-only: the ring still takes the rows, for the resync after the reconnect.
-            for r in requests:
-                self._new_request_check(r)
-                rows = r.rows
-                if rows is not None and rows.shape[0]:
-                    self.ring.write(r.slot, r.anchor_pos - rows.shape[0], rows)
-                self._synced_epoch[r.slot] = _NO_EPOCH
+        self._new_requests(rnd)
+        synced = self._synced_epoch
+        if epoch is None:  # target-only: the ring takes the rows, for the resync later
+            self._write_rows(rnd)
+            synced[rnd.slots] = _NO_EPOCH
             return self._failed(n, "disabled" if client.disabled else "not_ready")
-        plan, n_rows = self._plan(requests, epoch)
-        entries = [item[1] for item in plan] + releases
-        if not entries:  # everything deferred: nothing to send this round
+        chosen, kind, k, end, written = self._plan(rnd, epoch)
+        m = len(chosen)
+        if m + len(releases) == 0:  # everything deferred: nothing to send this round
             return self._failed(n, "deferred")
+        slots = rnd.slots[chosen]
+        n_rows = int(k.sum())
+        # The usual round: every request continues with exactly its new rows, in order, so
+        # the STEP's rows are the engine's array, and they reach the ring while the reply is
+        # on its way (the ring write is the round's largest memory traffic).
+        rows_in = rnd.rows
+        direct = not written and rows_in is not None and rnd.row_offsets is None and \
+            rows_in.flags.c_contiguous and bool((k == rnd.n_rows).all())
+        if not written and not direct:
+            self._write_rows(rnd)
+        rows = self._stage(rnd, chosen, k, end, n_rows, direct)
+        entries = self._entries(rnd, chosen, kind, k, end, releases)
         self._step_id += 1
+        later = _Later(self._write_rows, rnd) if direct else None
         # No rows (every slot only asks for drafts): the headers are the whole frame.
-        out = client.step(self._headers, entries, n_rows, self._step_id, epoch=epoch,
-                          rows=self.staging[:n_rows] if n_rows else None)
-        resynced = sum(1 for item in plan if item[2])
+        try:
+            out = client.step(self._headers, entries, n_rows, self._step_id, epoch=epoch,
+                              rows=rows, while_waiting=later)
+        finally:
+            if later is not None:
+                later.finish()  # when the STEP was never sent
+        resynced = int(np.count_nonzero(kind == _RESYNC))
         if resynced:
             client.stats.inc("slots_resynced", resynced)
-        synced = self._synced_epoch
         if not out.ok or out.reply is None or out.drafted is None:
-            for r in requests:
-                synced[r.slot] = _NO_EPOCH
+            synced[rnd.slots] = _NO_EPOCH
             body = wire.rows_offset_for(len(entries)) + n_rows * self.row_bytes
             if body > SIZE_SUSPECT_BYTES and out.reason in ("transport_error",
                                                             "frame_bad_frame_size"):
@@ -250,36 +588,241 @@ class DraftRounds:
         self._step_ok()
         reply = out.reply
         # What the worker now holds, per entry, and whether the slot must resync next time.
-        status = reply.status.tolist()
-        wrows = reply.window_rows.tolist()
-        worker_gen, worker_end = self._worker_gen, self._worker_end
-        stale = False
-        for pos, (i, e, _) in enumerate(plan):
-            s = e.slot
-            rs = status[pos]
-            if rs == wire.RS_STALE_GENERATION:
-                stale = True
-                synced[s] = _NO_EPOCH
-                continue
-            worker_gen[s] = requests[i].generation
-            worker_end[s] = e.anchor_pos
-            synced[s] = epoch
-            # 7.5 resyncs PARTIAL_WINDOW and NO_WINDOW slots; when rank 0's ring holds no more
-            # than the worker has (the engine never handed over older rows), a resync would
-            # send the same rows again every round, so only a shortfall against the ring counts.
-            if (rs == wire.RS_PARTIAL_WINDOW or rs == wire.RS_NO_WINDOW) and \
-                    wrows[pos] < self.ring.available(s, e.anchor_pos):
-                synced[s] = _NO_EPOCH
-        if stale:
+        status = reply.status[:m]
+        stale = status == wire.RS_STALE_GENERATION
+        applied = ~stale
+        at = slots[applied]
+        self._worker_gen[at] = rnd.generation[chosen][applied]
+        self._worker_end[at] = end[applied]
+        synced[at] = epoch
+        # 7.5 resyncs PARTIAL_WINDOW and NO_WINDOW slots; when rank 0's ring holds no more than
+        # the worker has (the engine never handed over older rows), a resync would send the
+        # same rows again every round, so only a shortfall against the ring counts.
+        short = applied & ((status == wire.RS_PARTIAL_WINDOW) | (status == wire.RS_NO_WINDOW))
+        if short.any():
+            short &= reply.window_rows[:m] < self.ring.available_batch(slots, end)
+            synced[slots[short]] = _NO_EPOCH
+        if stale.any():
+            synced[slots[stale]] = _NO_EPOCH
             client.new_session("RS_STALE_GENERATION: the worker holds a newer generation"
                                " than rank 0 sent")
-        res = self._result(n, [item[0] for item in plan], reply, out.drafted)
+        res = self._result(n, chosen, reply, out.drafted)
         res.resynced = resynced
         res.rows_sent = n_rows
         res.rtt_us = out.rtt_us
         client.stats.inc_many({"rounds_ok": 1,
                                "round_us_total": (time.perf_counter() - t0) * 1e6})
         return res
+
+    def _new_requests(self, rnd: _Round) -> None:
+        """A new generation in a slot is a new request: its ring starts empty. A window that
+        ends past the anchor is cut there (as the worker does, 7.2 step 4)."""
+        s, g, a = rnd.slots, rnd.generation, rnd.anchor_pos
+        ring = self.ring
+        new = self._gen[s] != g
+        if new.any():
+            ns = s[new]
+            self._gen[ns] = g[new]
+            ring.start[ns] = ring.end[ns] = 0
+        cut = ~new & (ring.end[s] > a)
+        if cut.any():
+            cs, ca = s[cut], a[cut]
+            ring.end[cs] = ca
+            ring.start[cs] = np.minimum(ring.start[cs], ca)
+
+    def _write_rows(self, rnd: _Round) -> None:
+        """The round's new rows into the ring, in one scatter (a resync sends them later)."""
+        if rnd.rows is not None:
+            self.ring.write_batch(rnd.slots, rnd.anchor_pos - rnd.n_rows, rnd.n_rows, rnd.rows,
+                                  rnd.row_offsets)
+
+    def _plan(self, rnd: _Round, epoch: int) -> tuple[Ints, Ints, Ints, Ints, bool]:
+        """Which requests go out and how: per entry, its request's index, kind (_CONT or
+        _RESYNC), rows sent and anchor (the request's, or the end of the part sent when a
+        resync or backlog goes out in parts); and whether the new rows are in the ring yet
+        (not when every request continues within the budget: nothing here needs them)."""
+        s, a, n_new = rnd.slots, rnd.anchor_pos, rnd.n_rows
+        W = self.window
+        valid = (self._synced_epoch[s] == epoch) & (self._worker_gen[s] == rnd.generation)
+        wend = self._worker_end[s]
+        # Continuing: the new rows follow what the worker holds (it keeps only the newest W).
+        cont = valid & (wend == a - n_new)
+        k = np.minimum(n_new, W)
+        chosen = np.arange(len(s), dtype=np.int64)
+        if cont.all() and int(k.sum()) <= self.row_budget:
+            self._sent(s)
+            return chosen, np.zeros(len(s), np.int64), k, a, False
+        self._write_rows(rnd)
+        if not cont.all():
+            held = self.ring.available_batch(s, a)  # newest min(W, anchor_pos) when all given
+            # Left out of earlier rounds: the worker's window still ends at wend, and the ring
+            # holds everything after it. Send that backlog, not a resync.
+            backlog = ~cont & valid & (a - held <= wend) & (wend < a - n_new)
+            k = np.where(cont, k, np.where(backlog, a - wend, held))
+            kind = np.where(cont | backlog, _CONT, _RESYNC)
+        else:
+            kind = np.zeros(len(s), np.int64)
+        if int(k.sum()) > self.row_budget:
+            return (*self._fit_budget(rnd, kind, k, self.row_budget), True)
+        self._sent(s)
+        return chosen, kind, k, a, True
+
+    def _stage(self, rnd: _Round, chosen: Ints, k: Ints, end: Ints, n_rows: int,
+               direct: bool) -> npt.NDArray[np.uint8] | None:
+        """The STEP's rows: the engine's own array (``direct``), else gathered from the ring
+        into staging."""
+        if not n_rows:
+            return None
+        if direct and rnd.rows is not None:
+            rows = rnd.rows[:n_rows]
+            if not self._shm or rows.ctypes.data == self.staging.ctypes.data:
+                return rows  # (run() may have put the requests' rows in staging already)
+            # On a region the rows must lie in it: one copy, as the gather would be.
+            np.copyto(self.staging[:n_rows], rows)
+            return self.staging[:n_rows]
+        self.ring.gather_batch(rnd.slots[chosen], end, k, self.staging)
+        return self.staging[:n_rows]
+
+    def _entries(self, rnd: _Round, chosen: Ints, kind: Ints, k: Ints, end: Ints,
+                 releases: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """The STEP's entries, laid out as the wire has them, releases last."""
+        m = len(chosen)
+        e = np.zeros(m + len(releases), wire.ENTRY_DTYPE)
+        all_in = m == len(rnd.slots)
+
+        def pick(x: Any) -> Any:
+            return x if all_in else x[chosen]
+        e["slot"][:m] = pick(rnd.slots)
+        e["generation"][:m] = pick(rnd.generation) & wire.U32_MASK
+        e["anchor_pos"][:m] = end
+        e["anchor_token"][:m] = pick(rnd.anchor_token)
+        e["n_rows"][:m] = k
+        # A part drafts nothing: its anchor is behind the request's.
+        n_out = pick(rnd.n_out)
+        if end is not rnd.anchor_pos:
+            n_out = np.where(end == rnd.anchor_pos[chosen], n_out, 0)
+        e["n_out"][:m] = n_out
+        e["flags"][:m] = np.where(kind == _RESYNC, wire.RF_RESET, 0) | \
+            np.where(n_out != 0, wire.RF_NEED_DRAFT, 0)
+        if rnd.top_k is not None and rnd.seed is not None and rnd.temperature is not None \
+                and rnd.top_p is not None:
+            on = pick(rnd.top_k) != 0  # a greedy entry of a sampled session: fields zero
+            e["seed"][:m] = np.where(on, pick(rnd.seed), 0)
+            e["top_k"][:m] = pick(rnd.top_k)
+            e["temperature"][:m] = np.where(on, pick(rnd.temperature), 0.0)
+            e["top_p"][:m] = np.where(on, pick(rnd.top_p), 0.0)
+        e[m:] = releases
+        return e
+
+    def _releases(self, requested: Ints, release: Any) -> npt.NDArray[Any]:
+        """RF_RELEASE entries for finished slots (not requested this round), forgetting them."""
+        if isinstance(release, (tuple, list)) and not release:
+            return _NO_ENTRIES
+        rel = np.asarray(list(release) if not isinstance(release, np.ndarray) else release)
+        if not rel.size:
+            return _NO_ENTRIES
+        rel = rel.reshape(-1)
+        bad = np.zeros(len(rel), bool) if rel.dtype.kind in "iu" else np.ones(len(rel), bool)
+        if rel.dtype.kind in "iu":
+            bad = (rel < 0) | (rel >= self.max_slots)
+        if bad.any():
+            raise ValueError(f"slot {_py(rel[int(np.flatnonzero(bad)[0])])!r} outside"
+                             f" [0, {self.max_slots})")
+        rel = rel.astype(np.int64)
+        _, first = np.unique(rel, return_index=True)
+        rel = rel[np.sort(first)]  # each once, in the engine's order
+        rel = rel[~np.isin(rel, requested)]
+        gen = self._worker_gen[rel]
+        self._forget(rel)
+        rel, gen = rel[gen != _NONE], gen[gen != _NONE]
+        out = np.zeros(len(rel), wire.ENTRY_DTYPE)
+        out["slot"] = rel
+        out["generation"] = gen & wire.U32_MASK
+        out["flags"] = wire.RF_RELEASE
+        return out
+
+    def _forget(self, slots: Ints) -> None:
+        self._gen[slots] = _NONE
+        self._worker_gen[slots] = _NONE
+        self._synced_epoch[slots] = _NO_EPOCH
+        self._waiting[slots] = 0
+        self.ring.start[slots] = self.ring.end[slots] = 0
+        if self._starved[slots].any():
+            self._starved[slots] = False
+            self.client.stats.set("starved_slots_now", int(self._starved.sum()))
+
+    # -- the row budget ---------------------------------------------------------------------------
+    def _fit_budget(self, rnd: _Round, kind: Ints, k: Ints, budget: int
+                    ) -> tuple[Ints, Ints, Ints, Ints]:
+        """Over the row budget: entries oldest first (rounds left out in a row), then
+        continuing before resync, then the engine's order, while they fit. The first always
+        goes: whole, or its oldest ``budget`` rows when it needs more (a resync in parts). What
+        is left out keeps its rows in the ring and ages by one."""
+        s, a = rnd.slots, rnd.anchor_pos
+        n = len(s)
+        order = np.lexsort((np.arange(n), kind, -self._waiting[s]))
+        ko = k[order]
+        take = np.zeros(n, bool)  # by place in ``order``: goes out whole
+        part = -1  # place in ``order`` of the entry that goes out in part
+        rem = budget
+        live = np.arange(n)
+        # Greedy in order: the longest prefix that fits goes, the entry after it does not;
+        # what follows is tried again with what is left. An entry larger than what is left can
+        # never fit later (what is left only shrinks), so each pass drops those first.
+        while len(live):
+            c = np.cumsum(ko[live])
+            fit = int(np.searchsorted(c, rem, side="right"))
+            take[live[:fit]] = True
+            if fit:
+                rem -= int(c[fit - 1])
+            if fit == len(live):
+                break
+            if rem == budget:  # nothing with rows went yet: the oldest part now, the rest later
+                part = int(live[fit])
+                rem = 0
+            rest = live[fit + 1:]
+            live = rest[ko[rest] <= rem]
+        whole = order[take]
+        self._sent(s[whole])
+        picked = whole
+        if part >= 0:
+            picked = np.append(whole, order[part])
+            self.client.stats.inc("resync_parts_total")
+        picked = np.sort(picked)  # entries in the engine's order
+        kp, endp = k[picked], a[picked]
+        if part >= 0:
+            j = int(np.searchsorted(picked, order[part]))
+            endp = endp.copy()
+            endp[j] = a[order[part]] - k[order[part]] + budget
+            kp = kp.copy()
+            kp[j] = budget
+        left = np.ones(n, bool)
+        left[whole] = False
+        left_out = s[left]
+        if len(left_out):
+            bound = fair_bound_rounds(n, budget, self.window)
+            waiting, starved = self._waiting, self._starved
+            waiting[left_out] += 1
+            newly = left_out[(waiting[left_out] >= bound) & ~starved[left_out]]
+            counts = {"deferred_slots_total": len(left_out)}
+            if len(newly):
+                starved[newly] = True
+                counts["starved_slots_total"] = len(newly)
+                self.client.stats.set("starved_slots_now", int(starved.sum()))
+                log.warning("remote DSpark: %d slots left out of %d or more rounds in a row by"
+                            " the row budget (%d rows per STEP, W %d, %d slots asked)",
+                            len(newly), bound, budget, self.window, n)
+            self.client.stats.inc_many(counts)
+        return picked, kind[picked], kp, endp
+
+    def _sent(self, slots: Ints) -> None:
+        """Slots that went out whole: their age starts again."""
+        waiting = self._waiting
+        if waiting[slots].any():
+            waiting[slots] = 0
+            if self._starved[slots].any():
+                self._starved[slots] = False
+                self.client.stats.set("starved_slots_now", int(self._starved.sum()))
 
     # -- the row budget after size refusals ---------------------------------------------------
     def _publish_budget(self) -> None:
@@ -334,250 +877,6 @@ class DraftRounds:
                     ", resyncs split" if self.row_budget < self.window else "",
                     self.max_rows_per_step)
 
-    def _releases(self, requests: Sequence[SlotRequest],
-                  release: Iterable[int]) -> list[wire.ReqEntry]:
-        """RF_RELEASE entries for finished slots (not requested this round), forgetting them."""
-        out: list[wire.ReqEntry] = []
-        release = list(release)
-        if not release:
-            return out
-        requested = {r.slot for r in requests}
-        for s in dict.fromkeys(release):
-            self._check_slot(s)
-        for s in dict.fromkeys(release):
-            if s in requested:
-                continue
-            g = self._worker_gen[s]
-            self.forget(s)
-            if g is not None:
-                out.append(wire.ReqEntry(slot=s, generation=g, anchor_pos=0, anchor_token=0,
-                                         flags=wire.RF_RELEASE))
-        return out
-
-    # -- inner ----------------------------------------------------------------------------------
-    def _check_slot(self, slot: int) -> None:
-        if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.max_slots):
-            raise ValueError(f"slot {slot!r} outside [0, {self.max_slots})")
-
-    def _validate(self, requests: Sequence[SlotRequest]) -> None:
-        """Refuse what would make the worker answer ST_BAD_FRAME (fatal for the engine run):
-        these are the engine's programming errors, raised before anything is sent."""
-        seen: set[int] = set()
-        N, rb = self.num_spec, self.row_bytes
-        for r in requests:
-            s = r.slot
-            self._check_slot(s)
-            if s in seen:
-                raise ValueError(f"slot {s} appears twice in one round")
-            seen.add(s)
-            if r.generation < 0:
-                raise ValueError(f"slot {s}: generation {r.generation} < 0")
-            g = self._gen[s]
-            if g is not None and r.generation < g:
-                raise ValueError(f"slot {s}: generation {r.generation} is older than the"
-                                 f" slot's {g}; generations only rise (7.1)")
-            if not 0 <= r.anchor_pos <= wire.U32_MASK:
-                raise ValueError(f"slot {s}: anchor_pos {r.anchor_pos} outside [0, 2**32)")
-            if not 0 <= r.anchor_token <= wire.U32_MASK:
-                raise ValueError(f"slot {s}: anchor_token {r.anchor_token} outside [0, 2**32)")
-            rows = r.rows
-            if rows is not None:
-                if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or \
-                        rows.ndim != 2 or rows.shape[1] != rb:
-                    raise ValueError(
-                        f"slot {s}: rows must be a uint8 array [n, {rb}], got "
-                        f"{getattr(rows, 'dtype', type(rows).__name__)}"
-                        f" {getattr(rows, 'shape', '')}")
-                if rows.shape[0] > r.anchor_pos:
-                    raise ValueError(f"slot {s}: {rows.shape[0]} rows but anchor_pos"
-                                     f" {r.anchor_pos}; rows exist only before the anchor")
-            if not 0 <= r.n_out <= N:
-                raise ValueError(f"slot {s}: n_out {r.n_out} outside [0, {N}]")
-            if self.sampled:
-                if r.top_k:
-                    if not 0 < r.top_k <= MAX_TOP_K:
-                        raise ValueError(f"slot {s}: top_k {r.top_k} outside [0, {MAX_TOP_K}]")
-                    if not (np.isfinite(r.temperature) and r.temperature > 0):
-                        raise ValueError(f"slot {s}: temperature {r.temperature!r} must be a"
-                                         " finite number > 0 when top_k > 0")
-                    if not (np.isfinite(r.top_p) and 0.0 <= r.top_p <= 1.0):
-                        raise ValueError(f"slot {s}: top_p {r.top_p!r} outside [0, 1]")
-                    if not 0 <= r.seed < (1 << 64):
-                        raise ValueError(f"slot {s}: seed {r.seed} outside [0, 2**64)")
-            elif r.top_k or r.seed or r.temperature or r.top_p:
-                raise ValueError(f"slot {s}: sampling fields on a greedy session (top_k"
-                                 f" {r.top_k}, seed {r.seed}); HELLO with SAMPLE_TOP32 to sample")
-
-    def _new_request_check(self, r: SlotRequest) -> None:
-        """A new generation in a slot is a new request: its ring starts empty. A window that
-        ends past the anchor is cut there (as the worker does, 7.2 step 4)."""
-        s = r.slot
-        if self._gen[s] != r.generation:
-            self._gen[s] = r.generation
-            self.ring.clear(s)
-        elif self.ring.end[s] > r.anchor_pos:
-            self.ring.truncate(s, r.anchor_pos)
-
-    def _plan(self, requests: Sequence[SlotRequest],
-              epoch: int) -> tuple[list[tuple[int, wire.ReqEntry, bool]], int]:
-        """Write every request's rows to the ring and stage the rows of the STEP: returns
-        (request index, entry, is_resync) per request that goes out this round, and the rows
-        staged. A continuing slot's new rows are copied once, into staging, and go from there
-        to the ring in one scatter; a backlog's or a resync's rows are gathered from the ring."""
-        W = self.window
-        ring = self.ring
-        staging = self.staging
-        synced, worker_gen, worker_end = self._synced_epoch, self._worker_gen, self._worker_end
-        sampled = self.sampled
-        # (index, kind, rows to send, n_new, fast): fast = continuing with the request's own
-        # rows, not yet in the ring.
-        kinds: list[tuple[int, int, int, int, bool]] = []
-        total = 0
-        for i, r in enumerate(requests):
-            self._new_request_check(r)
-            s, a = r.slot, r.anchor_pos
-            rows = r.rows
-            n_new = 0 if rows is None else rows.shape[0]
-            valid = synced[s] == epoch and worker_gen[s] == r.generation
-            wend = worker_end[s]
-            if valid and wend == a - n_new:
-                k = n_new if n_new <= W else W  # the worker keeps only the newest W
-                kinds.append((i, _CONT, k, n_new, True))
-            else:
-                if n_new:
-                    ring.write(s, a - n_new, rows)
-                k = ring.available(s, a)  # newest min(W, anchor_pos) when all were given
-                if valid and a - k <= wend < a - n_new:
-                    # Left out of earlier rounds: the worker's window still ends at wend, and
-                    # the ring holds everything after it. Send that backlog, not a resync.
-                    k = a - wend
-                    kinds.append((i, _CONT, k, n_new, False))
-                else:
-                    kinds.append((i, _RESYNC, k, n_new, False))
-            total += k
-        # (index, kind, rows, n_new, fast, entry anchor): the anchor is the request's, or the
-        # end of the part sent when a resync or backlog goes out in parts.
-        chosen: list[tuple[int, int, int, int, bool, int]]
-        if total > self.row_budget:
-            chosen = self._fit_budget(requests, kinds, self.row_budget)
-        else:
-            chosen = [(i, kind, k, n_new, fast, requests[i].anchor_pos)
-                      for i, kind, k, n_new, fast in kinds]
-            waiting = self._waiting
-            for i, *_ in kinds:
-                if waiting[requests[i].slot]:
-                    self._sent(requests[i].slot)
-        plan: list[tuple[int, wire.ReqEntry, bool]] = []
-        off = 0
-        c_slots: list[int] = []
-        c_first: list[int] = []
-        c_k: list[int] = []
-        c_off: list[int] = []
-        for i, kind, k, n_new, fast, end in chosen:
-            r = requests[i]
-            s, a = r.slot, r.anchor_pos
-            if fast:
-                if k:
-                    staging[off:off + k] = r.rows[n_new - k:]
-                    ring.advance(s, a - k, k)
-                    c_slots.append(s)
-                    c_first.append(a - k)
-                    c_k.append(k)
-                    c_off.append(off)
-                flags = 0
-            else:
-                if k:
-                    ring.gather(s, end, k, staging[off:off + k])
-                flags = wire.RF_RESET if kind == _RESYNC else 0
-            n_out = r.n_out if end == a else 0  # a part drafts nothing: its anchor is behind
-            if n_out:
-                flags |= wire.RF_NEED_DRAFT
-            # Positional: (slot, generation, anchor_pos, anchor_token, n_rows, n_out, flags,
-            # seed, top_k, temperature, top_p), the field order of ReqEntry.
-            if sampled and r.top_k:
-                e = ReqEntry(s, r.generation, end, r.anchor_token, k, n_out, flags, r.seed,
-                             r.top_k, r.temperature, r.top_p)
-            else:
-                e = ReqEntry(s, r.generation, end, r.anchor_token, k, n_out, flags)
-            plan.append((i, e, kind == _RESYNC))
-            off += k
-        if c_slots:
-            self._scatter(c_slots, c_first, c_k, c_off)
-        return plan, off
-
-    def _scatter(self, slots: list[int], firsts: list[int], ks: list[int],
-                 offs: list[int]) -> None:
-        """Continuing slots' rows, already in staging, into the ring in one call."""
-        k = np.asarray(ks, dtype=np.int64)
-        tot = int(k.sum())
-        within = np.arange(tot, dtype=np.int64) - np.repeat(np.cumsum(k) - k, k)
-        positions = np.repeat(np.asarray(firsts, dtype=np.int64), k) + within
-        slot_idx = np.repeat(np.asarray(slots, dtype=np.int64), k)
-        lo = offs[0]
-        # The usual case: the continuing rows sit back to back in staging (no resync between
-        # them), so the source is a view and the scatter is the only copy.
-        if offs[-1] + ks[-1] - lo == tot:
-            src = self.staging[lo:lo + tot]
-        else:
-            src = self.staging[np.repeat(np.asarray(offs, dtype=np.int64), k) + within]
-        self.ring.scatter(slot_idx, positions, src)
-
-    def _fit_budget(self, requests: Sequence[SlotRequest],
-                    kinds: list[tuple[int, int, int, int, bool]], budget: int
-                    ) -> list[tuple[int, int, int, int, bool, int]]:
-        """Over the row budget: entries oldest first (rounds left out in a row), then
-        continuing before resync, then the engine's order, while they fit. The first always
-        goes: whole, or its oldest ``budget`` rows when it needs more (a resync in parts). What
-        is left out keeps its rows in the ring and ages by one."""
-        waiting = self._waiting
-        order = sorted(kinds, key=lambda x: (-waiting[requests[x[0]].slot], x[1], x[0]))
-        ring = self.ring
-        used = 0
-        keep: list[tuple[int, int, int, int, bool, int]] = []
-        left_out: list[int] = []
-        for i, kind, k, n_new, fast in order:
-            r = requests[i]
-            s, a = r.slot, r.anchor_pos
-            if used + k <= budget:
-                used += k
-                keep.append((i, kind, k, n_new, fast, a))
-                if waiting[s]:
-                    self._sent(s)
-                continue
-            if fast and n_new:  # its rows reach the ring now, the worker later
-                ring.write(s, a - n_new, r.rows)
-            if used == 0:  # budget < W: the oldest part now, the rest in later rounds
-                keep.append((i, kind, budget, n_new, False, a - k + budget))
-                used = budget
-                self.client.stats.inc("resync_parts_total")
-            left_out.append(s)
-        keep.sort(key=lambda x: x[0])  # entries in the engine's order
-        if left_out:
-            bound = fair_bound_rounds(len(requests), budget, self.window)
-            starved = self._starved
-            newly = 0
-            for s in left_out:
-                waiting[s] += 1
-                if waiting[s] >= bound and s not in starved:
-                    starved.add(s)
-                    newly += 1
-            counts = {"deferred_slots_total": len(left_out)}
-            if newly:
-                counts["starved_slots_total"] = newly
-                self.client.stats.set("starved_slots_now", len(starved))
-                log.warning("remote DSpark: %d slots left out of %d or more rounds in a row by"
-                            " the row budget (%d rows per STEP, W %d, %d slots asked)", newly,
-                            bound, budget, self.window, len(requests))
-            self.client.stats.inc_many(counts)
-        return keep
-
-    def _sent(self, slot: int) -> None:
-        """The slot went out whole after being left out: its age starts again."""
-        self._waiting[slot] = 0
-        if slot in self._starved:
-            self._starved.discard(slot)
-            self.client.stats.set("starved_slots_now", len(self._starved))
-
     def _failed(self, n: int, reason: str) -> RoundResult:
         self.failed_rounds += 1
         self.client.stats.inc("rounds_failed")
@@ -589,20 +888,20 @@ class DraftRounds:
             support_ids=None if self._zero_sup is None else self._zero_sup[:n],
             proposal_q=None if self._zero_q is None else self._zero_q[:n])
 
-    def _result(self, n: int, included: list[int], reply: wire.StepReply,
+    def _result(self, n: int, included: Ints, reply: wire.StepReply,
                 drafted: npt.NDArray[np.int64]) -> RoundResult:
         m = len(included)
-        num = np.zeros(n, np.int32)
         if m == n:  # every request went out, in order: the reply's rows are the result's
-            num[:] = drafted[:n]
             return RoundResult(
-                ok=True, reason=None, num_drafted=num, status=reply.status[:n],
+                ok=True, reason=None, num_drafted=drafted[:n].astype(np.int32),
+                status=reply.status[:n],
                 draft_ids=reply.draft_ids[:n], confidence=reply.confidence[:n],
                 margin=None if reply.margin is None else reply.margin[:n],
                 support_ids=None if reply.support_ids is None else reply.support_ids[:n],
                 proposal_q=None if reply.proposal_q is None else reply.proposal_q[:n])
         # Some requests were deferred: scatter the reply's rows to the requests' places.
-        idx = np.asarray(included, dtype=np.int64)
+        num = np.zeros(n, np.int32)
+        idx = included
         num[idx] = drafted[:m]
         status = np.full(n, NOT_SENT, np.uint8)
         status[idx] = reply.status[:m]

@@ -18,6 +18,9 @@ draft -> verify -> commit:
 A failed round (no drafts) is a target-only step. ``DraftSource`` is anything with
 ``round(requests) -> RoundResult`` and ``release(slots)``: ``RemoteDrafts`` wraps
 ``DraftRounds`` (the worker over the wire); tests wrap the drafter in-process the same way.
+The sequences here are objects, one per request, each with its own rows, so the round is
+handed over as one ``SlotRequest`` per sequence (``DraftRounds.run``); an engine whose batch
+is arrays calls ``DraftRounds.run_batch`` with them instead (the same STEPs).
 
 Importing this module imports torch.
 """

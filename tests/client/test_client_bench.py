@@ -23,5 +23,7 @@ def test_bench_smoke() -> None:
     for sampled in (False, True):
         r = bench.bench_step(8, sampled, 0.01)
         assert r["median_us"] > 0 and "check_reply_values" in r["parts"]
-    r = bench.bench_rounds(8, False, 0.01)
-    assert r["median_us"] > 0 and r["rows_per_slot"] == 4
+    for sampled in (False, True):
+        for form in ("batch", "list"):
+            r = bench.bench_rounds(8, sampled, 0.01, form=form)
+            assert r["median_us"] > 0 and r["rows_per_slot"] == 4

@@ -77,3 +77,39 @@ def test_contiguous_appends_match_a_plain_model(window: int, chunks: list[int]) 
         held = min(window, pos)
         assert ring.available(0, pos) == held
         assert np.array_equal(ring.rows(0, pos, held), rows_for(0, 1, pos - held, pos, 8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 14),
+                                                      st.integers(0, 9)),
+                                            max_size=4), min_size=1, max_size=8),
+       st.booleans())
+def test_batch_writes_and_gathers_match_the_slot_by_slot_ones(
+        window: int, rounds: list[list[tuple[int, int, int]]], gaps: bool) -> None:
+    """write_batch / gather_batch over many slots do what write / gather do slot by slot,
+    for starts inside, at the end of, before and past each held run (gaps and overwrites),
+    rows beyond W, and rows given with offsets."""
+    one, many = TapRing(4, window, 8), TapRing(4, window, 8)
+    for r, writes in enumerate(rounds):
+        writes = list({s: (s, first, n) for s, first, n in writes}.values())  # distinct slots
+        parts, offsets, at = [], [], 0
+        for s, first, n in writes:
+            rows = rows_for(s, r, first, first + n, 8)
+            one.write(s, first, rows)
+            if gaps:
+                parts.append(np.full((1, 8), 0xEE, np.uint8))
+                at += 1
+            offsets.append(at)
+            parts.append(rows)
+            at += n
+        if writes:
+            many.write_batch(np.array([w[0] for w in writes]), np.array([w[1] for w in writes]),
+                             np.array([w[2] for w in writes]), np.concatenate(parts),
+                             np.array(offsets) if gaps else None)
+        assert np.array_equal(one.start, many.start) and np.array_equal(one.end, many.end)
+        slots = np.arange(4)
+        ends, ks = many.end.copy(), many.end - many.start
+        out = np.empty((int(ks.sum()), 8), np.uint8)
+        assert many.gather_batch(slots, ends, ks, out) == len(out)
+        want = [one.rows(s, int(ends[s]), int(ks[s])) for s in range(4)]
+        assert np.array_equal(out, np.concatenate(want))
