@@ -108,10 +108,16 @@ class MarkovHead(nn.Module):
     def step(self, prev: Tensor, hf_j: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor,
                                                                              Tensor | None]:
         """One position: (e, bias, new rnn state). prev [B] int64, hf_j [B, d]."""
+        e, x, state = self.step_input(prev, hf_j, state)
+        return e, self.markov_w2(x), state  # bias [B, V]
+
+    def step_input(self, prev: Tensor, hf_j: Tensor, state: Tensor | None
+                   ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """One position up to ``markov_w2``: (e, x, new rnn state) with bias = markov_w2(x)."""
         e = self.markov_w1(prev)  # [B, r]
         if self.kind == "gated":
             gate = torch.sigmoid(self.gate_proj(torch.cat([hf_j, e], dim=-1)))  # [B, r]
-            return e, self.markov_w2(gate * e), state  # bias [B, V]
+            return e, gate * e, state
         if self.kind == "rnn":
             if state is None:
                 state = torch.zeros_like(e)  # [B, r]
@@ -119,8 +125,15 @@ class MarkovHead(nn.Module):
             g_raw, c_raw, o_raw = proj.chunk(3, dim=-1)  # 3 x [B, r]
             g = torch.sigmoid(g_raw)  # [B, r]
             state = g * state + (1.0 - g) * torch.tanh(c_raw)  # [B, r]
-            return e, self.markov_w2(torch.tanh(o_raw)), state  # bias [B, V]
-        return e, self.markov_w2(e), state  # bias [B, V]
+            return e, torch.tanh(o_raw), state
+        return e, e, state
+
+    def bias_at(self, x: Tensor, ids: Tensor) -> Tensor:
+        """markov_w2(x) at the ids only: x [B, r], ids [B, K] int64 -> [B, K] (K rows of
+        ``markov_w2`` read per lane instead of all V)."""
+        rows = F.embedding(ids, self.markov_w2.weight)  # [B, K, r]
+        out: Tensor = torch.bmm(rows, x.unsqueeze(2)).squeeze(2)  # [B, K]
+        return out
 
 
 class ConfidenceHead(nn.Module):

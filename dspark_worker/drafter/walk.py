@@ -37,10 +37,14 @@ class WalkOutput:
     logits: Tensor | None = None  # [B, N, V] fp32 corrected logits z, when asked for
 
 
-def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor, anchor_token: Tensor,
-                sampled: DeviceSampling | None, keep_logits: bool = False) -> WalkOutput:
-    """hf [B, N, d] (model dtype), logits U [B, N, V] fp32, anchor_token [B] int64.
-    ``keep_logits`` also returns every position's corrected logits (tests, diagnostics)."""
+def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor | None, anchor_token: Tensor,
+                sampled: DeviceSampling | None, keep_logits: bool = False,
+                draft_topk: int = 0) -> WalkOutput:
+    """hf [B, N, d] (model dtype), anchor_token [B] int64. ``logits``: the base logits U
+    [B, N, V] fp32, or None to compute each position's [B, V] as the walk reaches it (no
+    [B, N, V] fp32 tensor: at B = 256 and a 152k vocabulary that is 1.1 GB). ``draft_topk``
+    > 0: the candidate walk (:func:`candidate_position`). ``keep_logits`` also returns every
+    position's corrected logits (tests, diagnostics)."""
     b, n, _ = hf.shape
     head = model.markov_head
     conf_head = model.confidence_head
@@ -51,22 +55,29 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor, anchor_token: Ten
     for j in range(n):
         hf_j = hf[:, j]  # [B, d]
         e: Tensor | None = None
-        z = logits[:, j]  # [B, V]
-        if head is not None:
-            e, bias, state = head.step(prev, hf_j, state)  # e [B, r], bias [B, V]
-            z = z + bias.float()  # [B, V]
-        if keep_logits:
+        u = logits[:, j] if logits is not None else model.logits(hf_j)  # [B, V]
+        if draft_topk:
+            x, top2, ids, q, z, e, state = candidate_position(
+                model, u, hf_j, prev, state, draft_topk, sampled, keep_logits)
+        else:
+            z = u  # [B, V]
+            if head is not None:
+                e, bias, state = head.step(prev, hf_j, state)  # e [B, r], bias [B, V]
+                z = z + bias.float()  # [B, V]
+            x = torch.argmax(z, dim=-1)  # [B] first maximum: ties to the lower id
+            ids = q = None
+            if sampled is not None:
+                ids, q = sampling.build_q(z, sampled.top_k, sampled.temperature,
+                                          sampled.top_p)  # [B, K] each
+            top2 = torch.topk(z, 2, dim=-1).values  # [B, 2]
+        if keep_logits and z is not None:
             zs.append(z)
-        x = torch.argmax(z, dim=-1)  # [B] first maximum: ties to the lower id
-        if sampled is not None:
-            ids, q = sampling.build_q(z, sampled.top_k, sampled.temperature,
-                                      sampled.top_p)  # [B, K] each
+        if sampled is not None and ids is not None and q is not None:
             drawn = sampling.draw(ids, q, sampled.u[:, j])  # [B]
             keep = sampled.is_sampled.unsqueeze(1)  # [B, 1]
             x = torch.where(sampled.is_sampled, drawn, x)  # [B]
             supports.append(torch.where(keep, ids, 0))
             qs.append(torch.where(keep, q, 0))
-        top2 = torch.topk(z, 2, dim=-1).values  # [B, 2]
         margins.append(top2[:, 0] - top2[:, 1])  # [B]
         if conf_head is not None:
             feats = torch.cat([hf_j, e], dim=-1) if with_markov and e is not None else hf_j
@@ -84,3 +95,36 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor, anchor_token: Ten
         proposal_q=torch.stack(qs, dim=1) if sampled is not None else None,  # [B, N, K]
         logits=torch.stack(zs, dim=1) if keep_logits else None,  # [B, N, V]
     )
+
+
+def candidate_position(model: DraftModel, u: Tensor, hf_j: Tensor, prev: Tensor,
+                       state: Tensor | None, k: int, sampled: DeviceSampling | None,
+                       keep_logits: bool
+                       ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None,
+                                  Tensor | None, Tensor | None]:
+    """One position of the candidate walk (vLLM's ``dspark_draft_topk``): the Markov bias is
+    added to the k best base logits only and every other id counts as -inf; greedy, sampled,
+    margin and confidence then read that truncated distribution. Reads k rows of markov_w2
+    per lane instead of all V.
+
+    -> (greedy id [B], top-2 values [B, 2], support ids, q, dense z (keep_logits), e, state).
+    """
+    head = model.markov_head
+    vocab = u.shape[1]
+    base, cand = torch.topk(u, k, dim=-1)  # [B, k] each
+    e: Tensor | None = None
+    z = base  # [B, k]
+    if head is not None:
+        e, x_in, state = head.step_input(prev, hf_j, state)  # e, x_in [B, r]
+        z = z + head.bias_at(x_in, cand).float()  # [B, k]
+    best = z.max(dim=1, keepdim=True).values  # [B, 1]
+    x = torch.where(z == best, cand, vocab).min(dim=1).values  # [B] ties to the lower id
+    top2 = torch.topk(z, 2, dim=-1).values  # [B, 2]
+    ids = q = None
+    if sampled is not None:
+        ids, q = sampling.build_q_among(z, cand, sampled.top_k, sampled.temperature,
+                                        sampled.top_p, vocab)
+    dense = None
+    if keep_logits:
+        dense = torch.full_like(u, float("-inf")).scatter_(1, cand, z)  # [B, V]
+    return x, top2, ids, q, dense, e, state
