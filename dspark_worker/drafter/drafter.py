@@ -31,7 +31,7 @@ from .checkpoint import load_checkpoint, tensor_records
 from .config import DrafterConfig, DrafterConfigError, read_config_json
 from .embedded import EMBEDDED_CONFIG, EMBEDDED_SEED, random_tensors
 from .families import build_model, family_of
-from .model import ContextSource, DenseContext, DraftModel
+from .model import DenseContext, DraftModel
 from .rings import RingPool, decode_bf16_rows
 from .step import CudaGraphReplay, GraphReport, ReplayFactory, StepGraphs, draft_step
 from .walk import DeviceSampling
@@ -253,16 +253,23 @@ class Drafter:
                     if model.markov_head is not None:
                         prev_t = torch.tensor([prev], dtype=torch.int64, device=self.device)
                         e, bias, state = model.markov_head.step(prev_t, hf_j, state)
+                    # The candidate walk: the k best base logits, ascending ids, and every
+                    # other id -inf (which takes part in nothing below).
+                    cand = np.arange(self.vocab_size)
+                    if self.draft_topk:
+                        cand = np.sort(torch.topk(z, self.draft_topk).indices.cpu().numpy())
+                    if e is not None:
                         z = z + bias[0].float()  # [V]
-                    z_host = z.float().cpu().numpy()  # [V]
+                    z_host = z.float().cpu().numpy()[cand]  # [k]
                     if host_sampling is not None and host_sampling.is_sampled[i]:
-                        ids, q = protocol_sampled.build_q(
+                        at, q = protocol_sampled.build_q(
                             z_host, int(host_sampling.top_k[i]),
                             float(host_sampling.temperature[i]), float(host_sampling.top_p[i]))
+                        ids = np.where(q > 0, cand[at], 0).astype(np.int32)
                         x = int(protocol_sampled.draw(ids, q, host_sampling.u[i, j]))
                         support[i, j], qs[i, j] = ids, q
                     else:
-                        x = int(np.argmax(z_host))
+                        x = int(cand[np.argmax(z_host)])
                     top2 = np.sort(z_host)[-2:]
                     margins[i, j] = top2[1] - top2[0]
                     confs[i, j] = self._reference_confidence(hf_j, e, j)

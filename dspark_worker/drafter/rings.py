@@ -292,7 +292,8 @@ class RingContext(ContextSource):
         # Lanes lo..lo+B-1 in order (a session's slots, allocated together) read a view, no copy.
         self._span: slice | None = None
         b = 0 if lanes is None else lanes.size
-        if lanes is not None and b and int(lanes[-1]) - int(lanes[0]) == b - 1 and (np.diff(lanes) == 1).all():
+        if lanes is not None and b and int(lanes[-1]) - int(lanes[0]) == b - 1 and (
+                np.diff(lanes) == 1).all():
             self._span = slice(int(lanes[0]), int(lanes[0]) + b)
         self._lanes_t = lanes_t
         slot = torch.arange(w, device=pool.device).unsqueeze(0)  # [1, W]

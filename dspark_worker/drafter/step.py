@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -50,7 +51,7 @@ def bucket_sizes(largest: int) -> tuple[int, ...]:
     """The buckets for batches of up to ``largest`` lanes, ascending."""
     if largest < 1:
         raise ValueError(f"largest bucket {largest} must be positive")
-    return tuple(b for b in BUCKETS if b < largest) + (largest,)
+    return (*(b for b in BUCKETS if b < largest), largest)
 
 
 def draft_step(model: DraftModel, anchor: Tensor, token: Tensor, n: int, context: ContextSource,
@@ -150,7 +151,7 @@ class CudaGraphReplay(Replay):
     """The step captured once as a ``torch.cuda.CUDAGraph`` (its buffers and outputs are the
     graph's; memory from ``mempool``, shared by every bucket: they never run at once)."""
 
-    def __init__(self, step: StaticStep, mempool: object = None) -> None:
+    def __init__(self, step: StaticStep, mempool: Any = None) -> None:
         super().__init__(step)
         # Warm-up runs on a side stream first (cuBLAS handles, lazy kernels), as capture needs.
         side = torch.cuda.Stream(step.pool.device)  # type: ignore[no-untyped-call]
@@ -159,12 +160,12 @@ class CudaGraphReplay(Replay):
             for _ in range(2):
                 step.compute()
         torch.cuda.current_stream(step.pool.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
+        self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=mempool):
             self.outputs = step.compute()
 
     def replay(self) -> None:
-        self.graph.replay()  # type: ignore[no-untyped-call]
+        self.graph.replay()
 
 
 ReplayFactory = Callable[[StaticStep], Replay]
