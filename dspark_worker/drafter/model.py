@@ -164,7 +164,10 @@ class DraftModel(nn.Module):
     - :meth:`inv_freq_values`: its rotary frequencies (used by :meth:`rope`);
     - :meth:`project_context_kv`: tap rows -> the K/V a ring stores, every layer at once;
     - :meth:`backbone`: one block for B lanes against a :class:`ContextSource`;
-    - :meth:`logits`: the base logits U (fp32) that the Markov bias is added to.
+    - :meth:`logits`: the base logits U (fp32) that the Markov bias is added to, as
+      :meth:`head_logits` (the LM head GEMM, model dtype) then :meth:`finish_logits`
+      (elementwise to fp32): the walk runs the GEMM once for every position and finishes one
+      position at a time, so no [B, N, V] fp32 tensor is made.
     """
 
     config: DrafterConfig
@@ -213,8 +216,18 @@ class DraftModel(nn.Module):
         raise NotImplementedError
 
     def logits(self, hf: Tensor) -> Tensor:
-        out: Tensor = self.lm_head(hf).float()  # [..., V] fp32
+        """The base logits U [..., V] fp32: ``finish_logits(head_logits(hf))``."""
+        return self.finish_logits(self.head_logits(hf))
+
+    def head_logits(self, hf: Tensor) -> Tensor:
+        """The LM head's output [..., V] in the model dtype: the one vocabulary-wide GEMM."""
+        out: Tensor = self.lm_head(hf)
         return out
+
+    def finish_logits(self, head: Tensor) -> Tensor:
+        """U in fp32 from :meth:`head_logits` (elementwise, so the walk may apply it one
+        position at a time); a family with a logit transform overrides this."""
+        return head.float()
 
 
 class DrafterModel(DraftModel):

@@ -41,11 +41,14 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor | None, anchor_tok
                 sampled: DeviceSampling | None, keep_logits: bool = False,
                 draft_topk: int = 0) -> WalkOutput:
     """hf [B, N, d] (model dtype), anchor_token [B] int64. ``logits``: the base logits U
-    [B, N, V] fp32, or None to compute each position's [B, V] as the walk reaches it (no
-    [B, N, V] fp32 tensor: at B = 256 and a 152k vocabulary that is 1.1 GB). ``draft_topk``
-    > 0: the candidate walk (:func:`candidate_position`). ``keep_logits`` also returns every
+    [B, N, V] fp32, or None to run the LM head here (:func:`head_groups`) and finish each
+    position's U [B, V] in fp32 as the walk reaches it: no [B, N, V] fp32 tensor (at B = 256
+    and a 152k vocabulary that is 1.1 GB, written and read several times). ``draft_topk`` > 0:
+    the candidate walk (:func:`candidate_position`). ``keep_logits`` also returns every
     position's corrected logits (tests, diagnostics)."""
     b, n, _ = hf.shape
+    group = head_groups(model, b, n)
+    head_out = hf  # the current group's LM head output, [B, group, V] model dtype
     head = model.markov_head
     conf_head = model.confidence_head
     with_markov = model.config.confidence_head_with_markov
@@ -55,7 +58,12 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor | None, anchor_tok
     for j in range(n):
         hf_j = hf[:, j]  # [B, d]
         e: Tensor | None = None
-        u = logits[:, j] if logits is not None else model.logits(hf_j)  # [B, V]
+        if logits is not None:
+            u = logits[:, j]  # [B, V]
+        else:
+            if j % group == 0:
+                head_out = model.head_logits(hf[:, j:j + group])  # [B, group, V]
+            u = model.finish_logits(head_out[:, j % group])  # [B, V] fp32
         if draft_topk:
             x, top2, ids, q, z, e, state = candidate_position(
                 model, u, hf_j, prev, state, draft_topk, sampled, keep_logits)
@@ -95,6 +103,20 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor | None, anchor_tok
         proposal_q=torch.stack(qs, dim=1) if sampled is not None else None,  # [B, N, K]
         logits=torch.stack(zs, dim=1) if keep_logits else None,  # [B, N, V]
     )
+
+
+# The LM head's output held at once, at most: every B up to 256 of the released Qwen3-4B and
+# Gemma4-12B shapes in bf16 runs one GEMM for all N positions (the head's weights read once);
+# past it (fp32 on a CPU, larger batches) the positions go in groups that fit.
+HEAD_BYTES_BUDGET = 1 << 30
+
+
+def head_groups(model: DraftModel, b: int, n: int, budget: int | None = None) -> int:
+    """Positions per LM head GEMM for B lanes: all N when their output fits ``budget``
+    (default ``HEAD_BYTES_BUDGET``)."""
+    budget = HEAD_BYTES_BUDGET if budget is None else budget
+    per_position = b * model.config.vocab_size * model.lm_head.weight.element_size()
+    return max(1, min(n, budget // max(per_position, 1)))
 
 
 def candidate_position(model: DraftModel, u: Tensor, hf_j: Tensor, prev: Tensor,

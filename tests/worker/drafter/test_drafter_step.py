@@ -318,3 +318,22 @@ def test_draft_topk_from_the_checkpoint(tmp_path: Path) -> None:
     assert load_drafter(folder).draft_topk == 64
     assert load_drafter(folder, draft_topk=0).draft_topk == 0
     assert load_drafter(GEMMA4_TINY).draft_topk == 0
+
+
+def test_head_groups_split_the_lm_head_not_the_drafts(tiny: Drafter,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the LM head budget the positions go through the head in groups: the same drafts."""
+    from dspark_worker.drafter import walk
+
+    assert walk.head_groups(tiny.model, 64, 7) == 7  # one GEMM for all positions
+    assert walk.head_groups(tiny.model, 64, 7, budget=3 * 64 * 300 * 4) == 3
+    assert walk.head_groups(tiny.model, 64, 7, budget=1) == 1
+    pool = tiny.new_pool(6, W)
+    lanes = pool.allocate(6)
+    anchors = fill(tiny, pool, lanes, seed=8)
+    tokens = np.arange(6) * 11
+    whole = tiny.draft(pool, lanes, anchors, tokens, sampling=params(6, 3))
+    for budget in (2 * 6 * 300 * 4, 1):  # two positions per GEMM, then one
+        monkeypatch.setattr(walk, "HEAD_BYTES_BUDGET", budget)
+        assert_same(tiny.draft(pool, lanes, anchors, tokens, sampling=params(6, 3)), whole,
+                    exact=False)
