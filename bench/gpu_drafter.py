@@ -88,9 +88,9 @@ def main() -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT), site] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        tests = "tests/worker/drafter/test_drafter_gpu.py"
         tests_rc = run("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p",
-                                     "no:cacheprovider", "tests/worker/drafter/test_drafter_gpu.py"],
-                       150, log, env)
+                                     "no:cacheprovider", tests], 150, log, env)
         batches = "1,64" if args.quick else "1,8,64,256"
         for shape, limit_s in (("qwen3-4b", 200), ("gemma4-12b", 200)):
             run(f"{shape} shape on cuda, eager and graphs",
