@@ -11,7 +11,7 @@ that goes on PYTHONPATH too; nothing is installed into the host's environment. F
 where there is network, for the host's Python:
 
     pip download --only-binary :all: --no-deps -d .whl --python-version 3.11 \\
-        msgspec pytest pluggy iniconfig packaging
+        msgspec pytest pluggy iniconfig packaging pygments
 
 Runs, each under its own time limit so that one hang cannot eat the device budget:
   1. pytest -m gpu tests/worker/drafter/test_drafter_gpu.py
