@@ -44,7 +44,6 @@ from dspark_worker.drafter import (
 )
 from dspark_worker.drafter.embedded import init_random_
 from dspark_worker.drafter.families import build_model
-from dspark_worker.drafter.step import EagerReplay
 
 QWEN3_4B = DrafterConfig(
     hidden_size=2560,
@@ -238,6 +237,8 @@ def bench_graphs(drafter: Drafter, batches: list[int], window: int, args: argpar
                  timer: Timer) -> None:
     """Eager and captured draft steps on one ring pool of max(B) lanes, every window full, and
     the step's floor at each B."""
+    from dspark_worker.drafter.step import EagerReplay
+
     largest = max(batches)
     pool = drafter.new_pool(largest, window)
     # On the CPU the stand-in replay runs the static step (checks this script, times nothing

@@ -6,6 +6,8 @@ checks (9.2, and 9.3 re-derived draws: integer arithmetic, exact on any device).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -143,13 +145,21 @@ def test_cuda_warmup_and_embedded_default() -> None:
 # -- the captured draft step (one CUDA graph per bucket) --------------------------------------
 
 
+GEMMA4_TINY = Path(__file__).resolve().parent / "data" / "gemma4_tiny"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graphs_capture_check_and_equal_eager(dtype: torch.dtype) -> None:
+def test_cuda_graphs_capture_check_and_equal_eager(dtype: torch.dtype, family: str) -> None:
     """Every bucket captures and passes the start-up self-check (graph replay against the eager
     step on the same buffers, ids exactly); drafts through the graphs then equal eager drafts of
     the same lanes: ids exactly in fp32, and to bf16's near-tie rate in bf16, where the padded
     bucket's GEMMs may round differently."""
-    gpu = cuda_drafter(dtype)
+    from dspark_worker.drafter import load_drafter
+
+    gpu = cuda_drafter(dtype) if family == "qwen3" else load_drafter(GEMMA4_TINY, device="cuda",
+                                                                     dtype=dtype)
+    config = gpu.config
     pool = gpu.new_pool(16, W)
     report = gpu.prepare_graphs(pool, 12)
     assert report.fallback is None, report.fallback
@@ -159,11 +169,11 @@ def test_cuda_graphs_capture_check_and_equal_eager(dtype: torch.dtype) -> None:
     rng = np.random.default_rng(5)
     lanes = pool.allocate(16)
     counts = rng.integers(1, 3 * W, 16)
-    rows = [make_rows(rng, int(n)) for n in counts]
+    rows = [make_rows(rng, int(n), config) for n in counts]
     pool.apply(lanes, counts, counts, np.ones(16, dtype=bool), np.concatenate(rows))
     for b in (1, 3, 8, 11):
         pick = rng.permutation(16)[:b]
-        tokens = rng.integers(0, TINY.vocab_size, b)
+        tokens = rng.integers(0, config.vocab_size, b)
         params = SamplingParams(top_k=rng.integers(0, 33, b), temperature=np.ones(b),
                                 top_p=np.full(b, 0.9), seed=np.arange(b, dtype=np.uint64),
                                 generation=np.zeros(b))
@@ -178,7 +188,7 @@ def test_cuda_graphs_capture_check_and_equal_eager(dtype: torch.dtype) -> None:
                 assert got.support_ids is not None and got.proposal_q is not None
                 top_k = np.asarray(params.top_k)
                 sampled.validate((top_k > 0).astype(np.uint8), got.support_ids, got.proposal_q,
-                                 got.draft_ids, np.ones(b, dtype=bool), TINY.vocab_size, top_k)
+                                 got.draft_ids, np.ones(b, dtype=bool), config.vocab_size, top_k)
                 sampled.check_draws(top_k > 0, got.support_ids, got.proposal_q, got.draft_ids,
                                     np.asarray(params.seed), params.generation, counts[pick])
 
