@@ -195,15 +195,14 @@ class Drafter:
             problem = graphs.self_check()
         except Exception as exc:  # capture can fail in many ways; each one means eager
             problem = f"{type(exc).__name__}: {exc}"
-        buckets = graphs.buckets if graphs is not None else ()
-        if problem is not None:
+        if graphs is None or problem is not None:
+            buckets = () if graphs is None else graphs.buckets
             graphs = None
             if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+                torch.cuda.empty_cache()  # the captured graphs' memory back to the device
             return GraphReport(0, buckets, problem, time.perf_counter() - t0)
-        assert graphs is not None
         self.graphs = graphs
-        return GraphReport(len(graphs.replays), buckets, None, time.perf_counter() - t0)
+        return GraphReport(len(graphs.replays), graphs.buckets, None, time.perf_counter() - t0)
 
     def reference_draft(self, rows_per_lane: list[npt.NDArray[np.uint8]],
                         anchor_pos: npt.ArrayLike, anchor_token: npt.ArrayLike,
