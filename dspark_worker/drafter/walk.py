@@ -2,7 +2,11 @@
 
 ``prev = anchor_token``; for j = 0..N-1: ``z_j = U_j + bias(prev)``, pick ``x_j`` (argmax, or
 the draw from q for a sampled lane), ``l_j = conf_proj([hf_j ; e])``, ``prev = x_j``. Everything
-stays on the device: no host synchronisation inside the loop.
+stays on the device: no host synchronisation inside the loop, and no Python branch on a tensor's
+value, so the walk can be captured in a CUDA graph (``step``). ``U`` comes from one LM head GEMM
+in the model dtype, finished to fp32 one position at a time. With ``draft_topk`` k (vLLM's
+``dspark_draft_topk``) the bias is added to the k best entries of ``U_j`` only and every other
+id counts as -inf (:func:`candidate_position`).
 """
 
 from __future__ import annotations

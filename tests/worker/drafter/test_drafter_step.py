@@ -337,3 +337,29 @@ def test_head_groups_split_the_lm_head_not_the_drafts(tiny: Drafter,
         monkeypatch.setattr(walk, "HEAD_BYTES_BUDGET", budget)
         assert_same(tiny.draft(pool, lanes, anchors, tokens, sampling=params(6, 3)), whole,
                     exact=False)
+
+
+@pytest.mark.parametrize("name", ["qwen3-rnn", "gemma4"])
+def test_walk_finishing_each_position_equals_the_whole_logits(name: str) -> None:
+    """The walk's own LM head (one GEMM, each position finished to fp32 when reached) gives
+    bit for bit what the walk over the whole [B, N, V] fp32 logits gave: ids, q, floats."""
+    from dspark_worker.drafter.walk import DeviceSampling, markov_walk
+
+    drafter = family_drafter(name)
+    model = drafter.model
+    rng = np.random.default_rng(12)
+    b, n = 5, drafter.num_spec
+    hf = torch.randn(b, n, drafter.config.hidden_size)
+    token = torch.from_numpy(rng.integers(0, drafter.vocab_size, b))
+    smp = DeviceSampling(is_sampled=torch.tensor([True, True, False, True, True]),
+                         top_k=torch.tensor([32, 5, 1, 17, 2]),
+                         temperature=torch.tensor([1.0, 0.7, 1.0, 1.3, 0.9], dtype=torch.float64),
+                         top_p=torch.tensor([0.0, 0.9, 0.0, 0.5, 0.0], dtype=torch.float64),
+                         u=torch.from_numpy(rng.integers(0, 1 << 24, (b, n))))
+    with torch.inference_mode():
+        for sampling in (None, smp):
+            whole = markov_walk(model, hf, model.logits(hf), token, sampling)
+            walked = markov_walk(model, hf, None, token, sampling)
+            for field in ("draft_ids", "confidence", "margin", "support_ids", "proposal_q"):
+                a, c = getattr(whole, field), getattr(walked, field)
+                assert (a is None and c is None) or torch.equal(a, c), field
