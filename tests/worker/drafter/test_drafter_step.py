@@ -105,10 +105,14 @@ def support_q(r: DraftResult) -> list[dict[int, int]]:
 def family_drafter(name: str) -> Drafter:
     if name == "gemma4":
         return load_drafter(GEMMA4_TINY)
+    if name == "qwen3-no-markov":  # markov_rank 0, as a family without the head drafts
+        return make_drafter(tiny_config(markov_rank=0, confidence_head_with_markov=False),
+                            seed=5)
     return make_drafter(tiny_config(markov_head_type=name.removeprefix("qwen3-")), seed=5)
 
 
-@pytest.mark.parametrize("name", ["qwen3-vanilla", "qwen3-gated", "qwen3-rnn", "gemma4"])
+@pytest.mark.parametrize("name", ["qwen3-vanilla", "qwen3-gated", "qwen3-rnn", "qwen3-no-markov",
+                                  "gemma4"])
 def test_static_step_equals_eager(name: str) -> None:
     """Both families, all three Markov heads, greedy and sampled; b lanes in buckets with and
     without padded lanes, lanes in any order (not a contiguous span of the pool)."""
