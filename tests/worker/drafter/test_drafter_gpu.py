@@ -225,3 +225,12 @@ def test_cuda_self_check_falls_back_on_a_wrong_graph() -> None:
     report = gpu.prepare_graphs(pool, 4, replay=Wrong)
     assert report.graphs == 0 and gpu.graphs is None
     assert report.fallback is not None and "draft_ids" in report.fallback
+
+
+def test_cuda_graphs_of_the_candidate_walk() -> None:
+    """dspark_draft_topk: its graphs capture and pass the self-check too."""
+    gpu = cuda_drafter(torch.bfloat16).with_draft_topk(64)
+    pool = gpu.new_pool(8, W)
+    report = gpu.prepare_graphs(pool, 8)
+    assert report.fallback is None, report.fallback
+    assert report.graphs == 8 and gpu.graphs is not None
