@@ -200,6 +200,83 @@ def bench_batch(drafter: Drafter, b: int, window: int, args: argparse.Namespace,
     return out
 
 
+def step_cost(drafter: Drafter, b: int, window: int) -> tuple[float, float]:
+    """(FLOPs, bytes) one draft step of b lanes must at least spend: every matmul of the
+    backbone, the LM head and the dense Markov bias over B * N query positions, attention over
+    W + N keys; every weight it multiplies read once, and the lanes' rings."""
+    c = drafter.config
+    n, d, v = drafter.num_spec, c.hidden_size, c.vocab_size
+    tokens = b * n
+    layer_params = sum(p.numel() for name, p in drafter.model.named_parameters()
+                       if name.startswith("layers.") and p.dim() == 2)
+    head = v * d + (v * c.markov_rank if c.has_markov_head else 0)  # lm_head, markov_w2
+    attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * (window + n)
+    flops = 2.0 * tokens * (layer_params + head) + tokens * attn
+    elem = torch.finfo(drafter.dtype).bits // 8
+    ring = b * window * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
+    return flops, float((layer_params + head) * elem + ring)
+
+
+def floor_ms(drafter: Drafter, b: int, window: int, timer: Timer) -> tuple[float, float]:
+    """The step's floor measured on this device: (ms of one bf16 GEMM of the step's FLOPs,
+    ms of a device copy moving the step's bytes, half read and half written)."""
+    flops, nbytes = step_cost(drafter, b, window)
+    dev = drafter.device
+    m, k = b * drafter.num_spec, drafter.config.hidden_size
+    cols = max(1, int(flops / (2 * m * k)))
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(k, cols, device=dev, dtype=torch.bfloat16)
+    src = torch.empty(int(nbytes // 2), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    gemm = [timer.ms(lambda: torch.matmul(a, w)) for _ in range(8)][3:]
+    copy = [timer.ms(lambda: dst.copy_(src)) for _ in range(8)][3:]
+    return statistics.median(gemm), statistics.median(copy)
+
+
+def bench_graphs(drafter: Drafter, batches: list[int], window: int, args: argparse.Namespace,
+                 timer: Timer) -> None:
+    """Eager and captured draft steps on one ring pool of max(B) lanes, every window full, and
+    the step's floor at each B."""
+    from dspark_worker.drafter.step import EagerReplay
+
+    largest = max(batches)
+    pool = drafter.new_pool(largest, window)
+    # On the CPU the stand-in replay runs the static step (checks this script, times nothing
+    # a GPU would see).
+    report = drafter.prepare_graphs(pool, largest, replay=None if timer.cuda else EagerReplay)
+    print(f"graphs: {report.graphs} for buckets {report.buckets} in {report.seconds:.1f} s"
+          f" (fallback: {report.fallback})", flush=True)
+    lanes = pool.allocate(largest)
+    _, anchors = fill(pool, drafter, lanes, window, args.chunk_rows, timer)
+    graphs = drafter.graphs
+    print(f"{'B':>5} {'eager ms':>9} {'graph ms':>9} {'eager smp':>10} {'graph smp':>10}"
+          f" {'gemm ms':>8} {'copy ms':>8} {'floor ms':>9} {'graph/floor':>12}"
+          f" {'eager/graph':>12}")
+    for b in batches:
+        sub, at = lanes[:b], anchors[:b]
+        tokens = np.arange(b, dtype=np.int64) % drafter.vocab_size
+        params = SamplingParams(top_k=np.full(b, 32), temperature=np.ones(b),
+                                top_p=np.full(b, 0.9), seed=np.arange(b, dtype=np.uint64),
+                                generation=np.zeros(b))
+
+        def timed(sampling: SamplingParams | None, sub: np.ndarray = sub, at: np.ndarray = at,
+                  tokens: np.ndarray = tokens) -> float:
+            times = [timer.ms(lambda: drafter.draft(pool, sub, at, tokens, sampling=sampling))
+                     for _ in range(args.warmup + args.iters)]
+            return statistics.median(times[args.warmup:])
+
+        drafter.graphs = None
+        eager, eager_s = timed(None), timed(params)
+        drafter.graphs = graphs
+        graph, graph_s = (timed(None), timed(params)) if graphs is not None else (
+            float("nan"), float("nan"))
+        gemm, copy = floor_ms(drafter, b, window, timer)
+        floor = max(gemm, copy)
+        print(f"{b:>5} {eager:>9.3f} {graph:>9.3f} {eager_s:>10.3f} {graph_s:>10.3f}"
+              f" {gemm:>8.3f} {copy:>8.3f} {floor:>9.3f} {graph / floor:>12.2f}"
+              f" {eager / graph:>12.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -213,6 +290,8 @@ def main() -> None:
     parser.add_argument("--chunk-rows", type=int, default=4096)
     parser.add_argument("--sampled", action="store_true", help="also time sampled drafts")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--graphs", action="store_true",
+                        help="eager against captured steps (CUDA), with the measured floor")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -240,6 +319,9 @@ def main() -> None:
           f"N {drafter.num_spec}, built and warmed up in {build_s:.1f} s")
     print(f"ring bytes per lane: {per_lane} ({per_lane / 2**10:.1f} KiB; "
           f"{per_lane / window:.0f} B per position, raw row {drafter.row_bytes} B)")
+    if args.graphs:
+        bench_graphs(drafter, batches, window, args, timer)
+        return
     head = f"{'B':>5} {'draft ms':>9} {'p90':>7}"
     if args.sampled:
         head += f" {'sampled ms':>11} {'p90':>7}"

@@ -21,7 +21,7 @@ from typing import Any, Final
 
 from protocol import wire
 from protocol.constants import SAMPLE_GREEDY, SAMPLE_TOP32
-from protocol.identity import identities_from_checkpoint
+from protocol.identity import identities_from_checkpoint, markov_walk_identity
 
 __all__ = ["DEFAULT_MAX_ROWS_PER_STEP", "default_max_rows_per_step", "hello_from_checkpoint"]
 
@@ -52,7 +52,8 @@ def _field(cfg: dict[str, Any], path: Path, *names: str) -> Any:
 def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int,
                           max_rows_per_step: int | None = None, sampled: bool = False,
                           client_name: str = "", target_checkpoint: str | Path | None = None,
-                          target_hidden_size: int | None = None) -> wire.Hello:
+                          target_hidden_size: int | None = None,
+                          draft_topk: int | None = None) -> wire.Hello:
     """A Hello for the drafter in ``checkpoint``.
 
     window / max_slots: what the engine will use (the worker must serve this W and at least
@@ -60,7 +61,9 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
     ``default_max_rows_per_step``: every slot's resync in one STEP up to 4096 rows; the worker
     must allow it). target_checkpoint: where embed_tokens / lm_head come from when the drafter
     lacks them (they enter the identity). target_hidden_size: the target's hidden size when the
-    drafter's config does not name it (``target_hidden_size``, else its ``hidden_size``)."""
+    drafter's config does not name it (``target_hidden_size``, else its ``hidden_size``).
+    draft_topk: the candidate walk the worker runs (vLLM's ``dspark_draft_topk``; None: the
+    checkpoint config's, else none); it enters the Markov identity (6.4)."""
     path = Path(checkpoint)
     cfg_path = path / "config.json"
     try:
@@ -77,6 +80,9 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
                                               "hidden_size"))
     n_taps = len(taps)
     drafter_id, markov_id = identities_from_checkpoint(path, target_checkpoint)
+    if draft_topk is None:
+        draft_topk = cfg.get("dspark_draft_topk") or 0
+    markov_id = markov_walk_identity(markov_id, int(draft_topk))
     rows = (max_rows_per_step if max_rows_per_step is not None
             else default_max_rows_per_step(window, max_slots))
     return wire.Hello(sample_mode=SAMPLE_TOP32 if sampled else SAMPLE_GREEDY, window=window,

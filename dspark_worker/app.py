@@ -123,7 +123,7 @@ def load_drafter_for(config: WorkerConfig) -> Any:
     device = resolve_device(config.device)
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
     return load_drafter(config.checkpoint, target_checkpoint=config.target_checkpoint,
-                        device=device, dtype=dtype)
+                        device=device, dtype=dtype, draft_topk=config.dspark_draft_topk)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -217,6 +217,10 @@ class WorkerApp:
                  getattr(d, "family", "?"), d.drafter_identity.hex(),
                  d.markov_identity.hex(), device, dtype, d.num_spec, d.row_bytes, d.n_taps,
                  d.target_hidden, d.vocab_size, time.perf_counter() - t0)
+        if getattr(d, "draft_topk", 0):
+            log.info("candidate walk: dspark_draft_topk %d (the Markov bias on the %d best base"
+                     " logits of each position; in the Markov identity)", d.draft_topk,
+                     d.draft_topk)
         try:
             self.pool = await loop.run_in_executor(self._device, d.new_pool,
                                                    c.max_total_slots, c.window)
@@ -232,6 +236,7 @@ class WorkerApp:
             t1 = time.perf_counter()
             await loop.run_in_executor(self._device, d.warmup)
             log.info("warmed up in %.2f s", time.perf_counter() - t1)
+        await self._prepare_graphs(loop, d)
 
         info = WorkerInfo(
             worker_name=c.resolved_worker_name, drafter_identity=d.drafter_identity,
@@ -300,6 +305,29 @@ class WorkerApp:
                  " max_sessions %d, frame limit %d bytes%s", info.worker_name, c.window,
                  d.num_spec, c.max_slots, c.max_rows_per_step, c.max_sessions,
                  frame_limit(c, d.row_bytes), ", HELLO authentication on" if secret else "")
+
+    async def _prepare_graphs(self, loop: asyncio.AbstractEventLoop, d: Any) -> None:
+        """The draft step as captured graphs (--cuda-graphs), before any session holds a
+        window: the self-check writes random ring contents."""
+        c = self.config
+        prepare = getattr(d, "prepare_graphs", None)
+        if prepare is None:
+            return
+        try:
+            report = await loop.run_in_executor(self._device, prepare, self.pool, c.max_slots,
+                                                c.cuda_graphs)
+        except Exception as exc:  # pragma: no cover - prepare_graphs catches what capture raises
+            raise StartupError(f"cannot prepare the draft step: {type(exc).__name__}: {exc}"
+                               ) from exc
+        self.metrics.cuda_graphs.set(report.graphs)
+        if report.fallback is not None:
+            self.metrics.cuda_graph_fallbacks.inc()
+            log.warning("cuda graphs: drafting eagerly, the captured step failed its start-up"
+                        " check: %s", report.fallback)
+        elif report.graphs:
+            log.info("cuda graphs: %d captured for buckets %s and checked against the eager"
+                     " step in %.2f s", report.graphs, ",".join(map(str, report.buckets)),
+                     report.seconds)
 
     async def _bind_all(self) -> None:
         """Every listener bound and every path checked before anything slow is loaded: a busy

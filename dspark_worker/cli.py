@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from . import __version__
 from .config import (
+    CUDA_GRAPHS,
     DEFAULT_CONNECTION_IDLE_S,
     DEFAULT_DRAIN_S,
     DEFAULT_HANDSHAKE_TIMEOUT_S,
@@ -130,6 +131,17 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
     ("log_level", "LEVEL", str, f"{', '.join(LOG_LEVELS)}. Default: INFO."),
     ("warmup", "BOOL", None,
      "run one ingest and draft before serving (--no-warmup skips it). Default: on."),
+    ("cuda_graphs", "MODE", str,
+     f"{', '.join(CUDA_GRAPHS)}. auto: on CUDA the draft step runs as one captured CUDA graph"
+     " per batch bucket (1, 2, 4, ..., 256 and max_slots lanes), each checked against the"
+     " eager step at start; any failure is logged once, counted in"
+     " dspark_worker_cuda_graph_fallbacks_total, and the worker drafts eagerly. off: always"
+     " eager. Default: auto."),
+    ("dspark_draft_topk", "K", int,
+     "vLLM's candidate walk: the Markov bias is added to the K best base logits of each"
+     " position only (other tokens count as -inf). It changes drafts, so it changes the"
+     " Markov identity the HELLO reply carries (contract section 6.4); K at least 32. 0: off."
+     " Default: the checkpoint config's dspark_draft_topk, else off."),
 ]
 
 

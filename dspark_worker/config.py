@@ -84,6 +84,9 @@ SESSIONLESS_MAX_BODY_BYTES: Final = 4 << 10
 # this recently: that is a second live engine using the same name, and both are served.
 LIVE_SESSION_S: Final = 5.0
 
+# The draft step as one captured CUDA graph per batch bucket (auto: on CUDA, after a start-up
+# self-check against the eager step), or always eager (off).
+CUDA_GRAPHS: Final = ("auto", "off")
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEVICES: Final = ("auto", "cpu", "cuda")
 DTYPES: Final = ("auto", "float32", "bfloat16", "float16")
@@ -137,6 +140,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     port_file: str | None = None
     log_level: str = "INFO"
     warmup: bool = True
+    cuda_graphs: str = "auto"
+    dspark_draft_topk: int | None = None  # None: the checkpoint config's; 0: off
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -193,6 +198,11 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
         out.append(("device", c.device, f"is not one of {', '.join(DEVICES)} or cuda:N"))
     if c.dtype not in DTYPES:
         out.append(("dtype", c.dtype, f"is not one of {', '.join(DTYPES)}"))
+    if c.cuda_graphs not in CUDA_GRAPHS:
+        out.append(("cuda_graphs", c.cuda_graphs, f"is not one of {', '.join(CUDA_GRAPHS)}"))
+    k = c.dspark_draft_topk
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        out.append(("dspark_draft_topk", k, "is not a non-negative integer (0: off)"))
     if c.log_level.upper() not in LOG_LEVELS:
         out.append(("log_level", c.log_level, f"is not one of {', '.join(LOG_LEVELS)}"))
     if not c.listen and not c.unix:

@@ -42,6 +42,10 @@ dspark_worker_stage_duration_seconds        histogram  stage: decode, queue, app
                                                        to_device, from_device (the hand-offs)
 dspark_worker_batch_steps                   histogram  STEPs per device batch
 dspark_worker_batch_entries                 histogram  entries drafted per drafter call
+dspark_worker_cuda_graphs                   gauge      captured draft-step graphs in use (0:
+                                                       the eager step)
+dspark_worker_cuda_graph_fallbacks_total    counter    start-up captures or self-checks that
+                                                       failed (the worker then drafts eagerly)
 ==========================================  =========  ==========================================
 """
 
@@ -141,6 +145,12 @@ class Metrics:
                                         "Ring memory of the lanes sessions hold.", registry=r)
         self.ready = Gauge(f"{p}_ready", "1 once the drafter is loaded and warmed up.",
                            registry=r)
+        self.cuda_graphs = Gauge(f"{p}_cuda_graphs", "Captured draft-step graphs in use (one"
+                                 " per batch bucket and sampling mode; 0: the eager step).",
+                                 registry=r)
+        self.cuda_graph_fallbacks = Counter(
+            f"{p}_cuda_graph_fallbacks", "Start-up captures or self-checks of the draft-step"
+            " graphs that failed; the worker then drafts eagerly.", registry=r)
         # A gauge, not the counters' *_created series: some setups drop those (the OpenMetrics
         # option of prometheus_client, relabelling), and a restart alert must not depend on it.
         self.start_time = Gauge(f"{p}_start_time_seconds",

@@ -294,6 +294,19 @@ def identities_from_checkpoint(checkpoint: Path | str,
     return identities_from_refs(refs)
 
 
+def markov_walk_identity(markov_identity: bytes, draft_topk: int = 0) -> bytes:
+    """The Markov identity a worker announces for its walk: the tensors' identity itself for
+    the walk over the whole vocabulary (``draft_topk`` 0), else SHA-256 over
+    ``b"dspark_draft_topk" 0x00 | k u32 LE | markov_identity``: the candidate walk drafts other
+    tokens, so a HELLO for the other walk is refused (section 6.4)."""
+    if not draft_topk:
+        return markov_identity
+    h = hashlib.sha256(b"dspark_draft_topk\x00")
+    h.update(struct.pack("<I", draft_topk))
+    h.update(markov_identity)
+    return h.digest()
+
+
 # -- the identity file ----------------------------------------------------------------------------
 def identity_inputs(checkpoint: Path | str, refs: Mapping[str, TensorRef]) -> dict[str, Any]:
     """What identities are computed from, cheaply checkable: every tensor's file, byte range,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,21 +21,27 @@ import torch
 from torch import Tensor
 
 from protocol import sampled as protocol_sampled
-from protocol.identity import identities_from_arrays, identities_from_checkpoint
+from protocol.identity import (
+    identities_from_arrays,
+    identities_from_checkpoint,
+    markov_walk_identity,
+)
 
 from .checkpoint import load_checkpoint, tensor_records
-from .config import DrafterConfig
+from .config import DrafterConfig, DrafterConfigError, read_config_json
 from .embedded import EMBEDDED_CONFIG, EMBEDDED_SEED, random_tensors
 from .families import build_model, family_of
-from .model import ContextSource, DenseContext, DraftModel
+from .model import DenseContext, DraftModel
 from .rings import RingPool, decode_bf16_rows
-from .walk import DeviceSampling, markov_walk
+from .step import CudaGraphReplay, GraphReport, ReplayFactory, StepGraphs, draft_step
+from .walk import DeviceSampling
 
 log = logging.getLogger("dspark.worker.drafter")
 # The reference drafter shipped with the package: the embedded default.
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 
 MAX_TOP_K = protocol_sampled.MAX_TOP_K
+CUDA_GRAPH_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -80,15 +87,26 @@ class Drafter:
     """A loaded drafter on one device. Not thread-safe: one owner (the runner)."""
 
     def __init__(self, model: DraftModel, *, drafter_identity: bytes, markov_identity: bytes,
-                 source: str) -> None:
+                 source: str, draft_topk: int = 0) -> None:
         self.model = model
         self.config: DrafterConfig = model.config
         self.device: torch.device = model.fc.weight.device
         self.dtype: torch.dtype = model.fc.weight.dtype
+        # The candidate walk changes drafts: it enters the Markov identity (CONTRACT 6.4), so
+        # an engine that did not ask for it is refused instead of served other drafts.
+        self.draft_topk = check_draft_topk(draft_topk, self.config.vocab_size, source)
         self.drafter_identity = drafter_identity
-        self.markov_identity = markov_identity
+        self.tensors_markov_identity = markov_identity  # of the markov_head tensors alone
+        self.markov_identity = markov_walk_identity(markov_identity, self.draft_topk)
         self.source = source
         self.family = family_of(self.config).name  # for logs: "qwen3", "gemma4"
+        self.graphs: StepGraphs | None = None  # the bucketed static step (prepare_graphs)
+
+    def with_draft_topk(self, draft_topk: int) -> Drafter:
+        """The same model with the candidate walk of ``draft_topk`` candidates (0: off)."""
+        return Drafter(self.model, drafter_identity=self.drafter_identity,
+                       markov_identity=self.tensors_markov_identity, source=self.source,
+                       draft_topk=draft_topk)
 
     # -- geometry (CONTRACT 6.1) --------------------------------------------------------------
     @property
@@ -130,16 +148,61 @@ class Drafter:
         b = lane_ids.size
         if b == 0:
             return self._empty(n, sampling is not None)
-        with torch.inference_mode():
-            ints = [lane_ids, anchor, token, anchor - rows, rows]
+        ints = [lane_ids, anchor, token, anchor - rows, rows]
+        if host_sampling is not None:
+            ints += [host_sampling.top_k, host_sampling.is_sampled.astype(np.int64)]
+        graphs = self.graphs
+        if graphs is not None and not keep_logits and graphs.covers(pool, b, n):
+            floats = u = None
             if host_sampling is not None:
-                ints += [host_sampling.top_k, host_sampling.is_sampled.astype(np.int64)]
+                floats = np.stack([host_sampling.temperature, host_sampling.top_p])
+                u = host_sampling.u
+            with torch.inference_mode():
+                return self._download(graphs.run(np.stack(ints), floats, u), rows)
+        with torch.inference_mode():
             packed = self._upload(np.stack(ints))  # [5 (+2), B] int64
             lanes_t, anchor_t, token_t, start_t, rows_t = packed[:5]
             context = pool.context(lane_ids, lanes_t, start_t, rows_t)
             dev_sampling = self._device_sampling(host_sampling, packed)
-            out = self._run(anchor_t, token_t, n, context, dev_sampling, keep_logits)
+            out = draft_step(self.model, anchor_t, token_t, n, context, dev_sampling,
+                             keep_logits, self.draft_topk)
             return self._download(out, rows)
+
+    def prepare_graphs(self, pool: RingPool, largest: int, mode: str = "auto", *,
+                       replay: ReplayFactory | None = None) -> GraphReport:
+        """Make the bucketed static step for ``pool`` (buckets up to ``largest`` lanes), check
+        it against the eager step (``StepGraphs.self_check``) and draft through it from now on.
+
+        ``mode`` "auto": on CUDA, one captured graph per bucket and sampling mode; elsewhere the
+        eager step stays. "off": the eager step. ``replay`` (tests): how each bucket's step is
+        run instead of a CUDA graph, on any device. Any exception or difference leaves the
+        eager step in place and says why in ``GraphReport.fallback``. Call it before any lane
+        of ``pool`` holds a window: the self-check writes random ring contents (zeroed after).
+        """
+        if mode not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs {mode!r} is not one of {', '.join(CUDA_GRAPH_MODES)}")
+        self.graphs = None
+        if mode == "off" or (replay is None and self.device.type != "cuda"):
+            return GraphReport(0, (), None, 0.0)
+        if pool.model is not self.model:
+            raise ValueError("the ring pool belongs to another drafter")
+        t0 = time.perf_counter()
+        factory = replay or _cuda_graph_factory(self.device)
+        graphs: StepGraphs | None = None
+        try:
+            graphs = StepGraphs(self.model, pool, self.num_spec, largest, factory,
+                                self.draft_topk)
+            problem = graphs.self_check()
+        except Exception as exc:  # capture can fail in many ways; each one means eager
+            problem = f"{type(exc).__name__}: {exc}"
+        if graphs is None or problem is not None:
+            buckets = () if graphs is None else graphs.buckets
+            graphs = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the captured graphs' memory back to the device
+            return GraphReport(0, buckets, problem, time.perf_counter() - t0)
+        self.graphs = graphs
+        return GraphReport(len(graphs.replays), graphs.buckets, None, time.perf_counter() - t0)
 
     def reference_draft(self, rows_per_lane: list[npt.NDArray[np.uint8]],
                         anchor_pos: npt.ArrayLike, anchor_token: npt.ArrayLike,
@@ -189,16 +252,23 @@ class Drafter:
                     if model.markov_head is not None:
                         prev_t = torch.tensor([prev], dtype=torch.int64, device=self.device)
                         e, bias, state = model.markov_head.step(prev_t, hf_j, state)
+                    # The candidate walk: the k best base logits, ascending ids, and every
+                    # other id -inf (which takes part in nothing below).
+                    cand = np.arange(self.vocab_size)
+                    if self.draft_topk:
+                        cand = np.sort(torch.topk(z, self.draft_topk).indices.cpu().numpy())
+                    if e is not None:
                         z = z + bias[0].float()  # [V]
-                    z_host = z.float().cpu().numpy()  # [V]
+                    z_host = z.float().cpu().numpy()[cand]  # [k]
                     if host_sampling is not None and host_sampling.is_sampled[i]:
-                        ids, q = protocol_sampled.build_q(
+                        at, q = protocol_sampled.build_q(
                             z_host, int(host_sampling.top_k[i]),
                             float(host_sampling.temperature[i]), float(host_sampling.top_p[i]))
+                        ids = np.where(q > 0, cand[at], 0).astype(np.int32)
                         x = int(protocol_sampled.draw(ids, q, host_sampling.u[i, j]))
                         support[i, j], qs[i, j] = ids, q
                     else:
-                        x = int(np.argmax(z_host))
+                        x = int(cand[np.argmax(z_host)])
                     top2 = np.sort(z_host)[-2:]
                     margins[i, j] = top2[1] - top2[0]
                     confs[i, j] = self._reference_confidence(hf_j, e, j)
@@ -296,25 +366,6 @@ class Drafter:
             u=self._upload(host.u),  # [B, N]
         )
 
-    def _run(self, anchor: Tensor, token: Tensor, n: int, context: ContextSource,
-             sampling: DeviceSampling | None, keep_logits: bool) -> dict[str, Tensor]:
-        model = self.model
-        offsets = torch.arange(n, device=self.device)  # [N]
-        block_ids = torch.full((anchor.shape[0], n), self.config.mask_token_id,
-                               dtype=torch.int64, device=self.device)  # [B, N]
-        block_ids[:, 0] = token
-        block_pos = anchor.unsqueeze(1) + offsets  # [B, N]
-        hf = model.backbone(block_ids, block_pos, context)  # [B, N, d]
-        out = markov_walk(model, hf, model.logits(hf), token, sampling, keep_logits)
-        result = {"draft_ids": out.draft_ids, "confidence": out.confidence,
-                  "margin": out.margin}
-        if out.support_ids is not None and out.proposal_q is not None:
-            result["support_ids"] = out.support_ids
-            result["proposal_q"] = out.proposal_q
-        if out.logits is not None:
-            result["logits"] = out.logits
-        return result
-
     def _upload(self, array: npt.NDArray[np.generic]) -> Tensor:
         host = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type == "cuda":
@@ -365,6 +416,37 @@ class Drafter:
         return 1.0 / (1.0 + math.exp(-score / temp))
 
 
+def check_draft_topk(k: object, vocab: int, source: str) -> int:
+    """``dspark_draft_topk`` (vLLM's name): 0 or None is the walk over the whole vocabulary;
+    else the candidates per position, at least the sampled support's places and at most the
+    vocabulary."""
+    if k is None:
+        return 0
+    low = min(MAX_TOP_K, vocab)
+    if isinstance(k, bool) or not isinstance(k, int) or not (k == 0 or low <= k <= vocab):
+        raise DrafterConfigError(
+            f"{source}: dspark_draft_topk {k!r} is neither 0 (off) nor a whole number in"
+            f" [{low}, vocab_size {vocab}]", field="dspark_draft_topk", value=k)
+    return k
+
+
+def checkpoint_draft_topk(checkpoint: str | Path) -> int | None:
+    """The checkpoint config.json's ``dspark_draft_topk`` (None when absent or null)."""
+    raw, _ = read_config_json(checkpoint)
+    value = raw.get("dspark_draft_topk")
+    return None if value is None else value  # checked by Drafter against the vocabulary
+
+
+def _cuda_graph_factory(device: torch.device) -> ReplayFactory:
+    mempool = torch.cuda.graph_pool_handle()  # one pool for every bucket's graph
+
+    def factory(step: object) -> CudaGraphReplay:
+        with torch.cuda.device(device):
+            return CudaGraphReplay(step, mempool)  # type: ignore[arg-type]
+
+    return factory
+
+
 # -- construction ---------------------------------------------------------------------------------
 
 
@@ -376,17 +458,22 @@ def _resolve(device: str | torch.device, dtype: torch.dtype | None
 
 def load_drafter(checkpoint: str | Path | None, target_checkpoint: str | Path | None = None,
                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None, *,
-                 record_identities: bool = True) -> Drafter:
+                 record_identities: bool = True, draft_topk: int | None = None) -> Drafter:
     """A drafter from a DeepSpec checkpoint folder, or the embedded default when
     ``checkpoint`` is None. dtype defaults to bf16 on CUDA and fp32 on the CPU.
-    ``record_identities``: see ``load_checkpoint``."""
+    ``record_identities``: see ``load_checkpoint``. ``draft_topk``: the candidate walk's k
+    (None: the checkpoint config's ``dspark_draft_topk``, else off; 0: off)."""
     if checkpoint is None:
-        return embedded_default(device=device, dtype=dtype)
+        drafter = embedded_default(device=device, dtype=dtype)
+        return drafter.with_draft_topk(draft_topk) if draft_topk else drafter
     dev, dt = _resolve(device, dtype)
     loaded = load_checkpoint(checkpoint, target_checkpoint, record_identities=record_identities)
+    if draft_topk is None:
+        draft_topk = checkpoint_draft_topk(checkpoint)
     model = build_model(loaded.config, loaded.tensors, device=dev, dtype=dt)
     return Drafter(model, drafter_identity=loaded.drafter_identity,
-                   markov_identity=loaded.markov_identity, source=str(checkpoint))
+                   markov_identity=loaded.markov_identity, source=str(checkpoint),
+                   draft_topk=draft_topk or 0)
 
 
 def from_tensors(config: DrafterConfig, tensors: dict[str, torch.Tensor], *,

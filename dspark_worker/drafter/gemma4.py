@@ -455,9 +455,9 @@ class Gemma4DrafterModel(DraftModel):
         hf: Tensor = self.norm(h)  # [B, N, d]
         return hf
 
-    def logits(self, hf: Tensor) -> Tensor:
+    def finish_logits(self, head: Tensor) -> Tensor:
         """U = lm_head(hf) in fp32, soft-capped before the Markov bias is added."""
-        out: Tensor = self.lm_head(hf).float()  # [..., V]
+        out: Tensor = head.float()  # [..., V]
         cap = self.config.final_logit_softcapping
         if cap is not None:
             out = torch.tanh(out / cap) * cap

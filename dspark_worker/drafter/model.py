@@ -108,10 +108,16 @@ class MarkovHead(nn.Module):
     def step(self, prev: Tensor, hf_j: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor,
                                                                              Tensor | None]:
         """One position: (e, bias, new rnn state). prev [B] int64, hf_j [B, d]."""
+        e, x, state = self.step_input(prev, hf_j, state)
+        return e, self.markov_w2(x), state  # bias [B, V]
+
+    def step_input(self, prev: Tensor, hf_j: Tensor, state: Tensor | None
+                   ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """One position up to ``markov_w2``: (e, x, new rnn state) with bias = markov_w2(x)."""
         e = self.markov_w1(prev)  # [B, r]
         if self.kind == "gated":
             gate = torch.sigmoid(self.gate_proj(torch.cat([hf_j, e], dim=-1)))  # [B, r]
-            return e, self.markov_w2(gate * e), state  # bias [B, V]
+            return e, gate * e, state
         if self.kind == "rnn":
             if state is None:
                 state = torch.zeros_like(e)  # [B, r]
@@ -119,8 +125,15 @@ class MarkovHead(nn.Module):
             g_raw, c_raw, o_raw = proj.chunk(3, dim=-1)  # 3 x [B, r]
             g = torch.sigmoid(g_raw)  # [B, r]
             state = g * state + (1.0 - g) * torch.tanh(c_raw)  # [B, r]
-            return e, self.markov_w2(torch.tanh(o_raw)), state  # bias [B, V]
-        return e, self.markov_w2(e), state  # bias [B, V]
+            return e, torch.tanh(o_raw), state
+        return e, e, state
+
+    def bias_at(self, x: Tensor, ids: Tensor) -> Tensor:
+        """markov_w2(x) at the ids only: x [B, r], ids [B, K] int64 -> [B, K] (K rows of
+        ``markov_w2`` read per lane instead of all V)."""
+        rows = F.embedding(ids, self.markov_w2.weight)  # [B, K, r]
+        out: Tensor = torch.bmm(rows, x.unsqueeze(2)).squeeze(2)  # [B, K]
+        return out
 
 
 class ConfidenceHead(nn.Module):
@@ -151,7 +164,10 @@ class DraftModel(nn.Module):
     - :meth:`inv_freq_values`: its rotary frequencies (used by :meth:`rope`);
     - :meth:`project_context_kv`: tap rows -> the K/V a ring stores, every layer at once;
     - :meth:`backbone`: one block for B lanes against a :class:`ContextSource`;
-    - :meth:`logits`: the base logits U (fp32) that the Markov bias is added to.
+    - :meth:`logits`: the base logits U (fp32) that the Markov bias is added to, as
+      :meth:`head_logits` (the LM head GEMM, model dtype) then :meth:`finish_logits`
+      (elementwise to fp32): the walk runs the GEMM once for every position and finishes one
+      position at a time, so no [B, N, V] fp32 tensor is made.
     """
 
     config: DrafterConfig
@@ -200,8 +216,18 @@ class DraftModel(nn.Module):
         raise NotImplementedError
 
     def logits(self, hf: Tensor) -> Tensor:
-        out: Tensor = self.lm_head(hf).float()  # [..., V] fp32
+        """The base logits U [..., V] fp32: ``finish_logits(head_logits(hf))``."""
+        return self.finish_logits(self.head_logits(hf))
+
+    def head_logits(self, hf: Tensor) -> Tensor:
+        """The LM head's output [..., V] in the model dtype: the one vocabulary-wide GEMM."""
+        out: Tensor = self.lm_head(hf)
         return out
+
+    def finish_logits(self, head: Tensor) -> Tensor:
+        """U in fp32 from :meth:`head_logits` (elementwise, so the walk may apply it one
+        position at a time); a family with a logit transform overrides this."""
+        return head.float()
 
 
 class DrafterModel(DraftModel):

@@ -264,11 +264,12 @@ class RingPool:
         return t.to(self.device)
 
     # -- drafting -----------------------------------------------------------------------------
-    def context(self, lanes: IntArray, lanes_t: Tensor, start: Tensor,
+    def context(self, lanes: IntArray | None, lanes_t: Tensor, start: Tensor,
                 rows: Tensor) -> RingContext:
         """The context of these lanes for the backbone: valid slots hold the positions
         ``[start, start + rows)`` of each lane. ``lanes_t``, start, rows: [B] int64 on the
-        device (lanes_t equal to the host ``lanes``)."""
+        device (lanes_t equal to the host ``lanes``; None: not known on the host, as in a
+        captured step, and always gathered)."""
         return RingContext(self, lanes, lanes_t, start, rows)
 
     def _lanes(self, lanes: npt.ArrayLike) -> IntArray:
@@ -284,14 +285,15 @@ class RingPool:
 class RingContext(ContextSource):
     """Context for a batch of lanes read from the pool, one layer at a time."""
 
-    def __init__(self, pool: RingPool, lanes: IntArray, lanes_t: Tensor, start: Tensor,
+    def __init__(self, pool: RingPool, lanes: IntArray | None, lanes_t: Tensor, start: Tensor,
                  rows: Tensor) -> None:
         self.pool = pool
         w = pool.window
         # Lanes lo..lo+B-1 in order (a session's slots, allocated together) read a view, no copy.
-        b = lanes.size
         self._span: slice | None = None
-        if b and int(lanes[-1]) - int(lanes[0]) == b - 1 and (np.diff(lanes) == 1).all():
+        b = 0 if lanes is None else lanes.size
+        if lanes is not None and b and int(lanes[-1]) - int(lanes[0]) == b - 1 and (
+                np.diff(lanes) == 1).all():
             self._span = slice(int(lanes[0]), int(lanes[0]) + b)
         self._lanes_t = lanes_t
         slot = torch.arange(w, device=pool.device).unsqueeze(0)  # [1, W]

@@ -75,18 +75,40 @@ def build_q(z: Tensor, top_k: Tensor, temperature: Tensor, top_p: Tensor) -> tup
     top_p [B] float64 in [0, 1].
     """
     vocab = z.shape[1]
-    dev = z.device
     kmax = min(MAX_TOP_K, vocab)
-    k = top_k.clamp(1, kmax)  # [B]
-    z64 = z.double() / temperature.unsqueeze(1)  # [B, V]
     # The kmax best by (value descending, id ascending): every id above the kmax-th value, then
-    # the lowest ids among those equal to it.
-    kth = torch.topk(z64, kmax, dim=1).values[:, -1:]  # [B, 1]
-    vocab_ids = torch.arange(vocab, device=dev)  # [V]
-    key = torch.where(z64 > kth, 2 * vocab, torch.where(z64 == kth, vocab - vocab_ids, -1))
+    # the lowest ids among those equal to it. Found on the fp32 z: dividing by a temperature
+    # t > 0 in float64 keeps every order and every tie of fp32 values (float64 holds z / t
+    # with room to spare: no two fp32 values meet, none overflows), so no [B, V] float64 copy
+    # of z is needed, and the key fits int32 (2 V < 2**31).
+    kth = torch.topk(z, kmax, dim=1).values[:, -1:]  # [B, 1]
+    vocab_ids = torch.arange(vocab, device=z.device, dtype=torch.int32)  # [V]
+    key = torch.where(z > kth, 2 * vocab, torch.where(z == kth, vocab - vocab_ids, -1))
     chosen = torch.topk(key, kmax, dim=1).indices  # [B, kmax] unordered
     chosen, _ = torch.sort(chosen, dim=1)  # [B, kmax] ascending ids
-    zk = z64.gather(1, chosen)  # [B, kmax]
+    return _build_q_at(chosen, z.gather(1, chosen), top_k, temperature, top_p, kmax)
+
+
+def build_q_among(z: Tensor, ids: Tensor, top_k: Tensor, temperature: Tensor, top_p: Tensor,
+                  vocab: int) -> tuple[Tensor, Tensor]:
+    """:func:`build_q` of the logits that are ``z`` [B, C] fp32 at the distinct ``ids``
+    [B, C] int64 and -inf at every other id of the vocabulary (the candidate walk); C is at
+    least ``min(MAX_TOP_K, vocab)``."""
+    kmax = min(MAX_TOP_K, vocab)
+    by_id, order = torch.sort(ids, dim=1)  # [B, C] ascending ids
+    zs, perm = torch.sort(z.gather(1, order), dim=1, descending=True, stable=True)  # [B, C]
+    best, zk = by_id.gather(1, perm)[:, :kmax], zs[:, :kmax]  # [B, kmax]
+    chosen, back = torch.sort(best, dim=1)  # ascending ids, as build_q hands them on
+    return _build_q_at(chosen, zk.gather(1, back), top_k, temperature, top_p, kmax)
+
+
+def _build_q_at(chosen: Tensor, z_chosen: Tensor, top_k: Tensor, temperature: Tensor,
+                top_p: Tensor, kmax: int) -> tuple[Tensor, Tensor]:
+    """build_q from the kmax best places: ids ``chosen`` [B, kmax] ascending, their fp32
+    logits ``z_chosen``."""
+    dev = chosen.device
+    k = top_k.clamp(1, kmax)  # [B]
+    zk = z_chosen.double() / temperature.unsqueeze(1)  # [B, kmax]
     zk, perm = torch.sort(zk, dim=1, descending=True, stable=True)  # [B, kmax]
     ids = chosen.gather(1, perm)  # [B, kmax] value desc, id asc
     place = torch.arange(kmax, device=dev).unsqueeze(0)  # [1, kmax]

@@ -2,7 +2,11 @@
 
 ``prev = anchor_token``; for j = 0..N-1: ``z_j = U_j + bias(prev)``, pick ``x_j`` (argmax, or
 the draw from q for a sampled lane), ``l_j = conf_proj([hf_j ; e])``, ``prev = x_j``. Everything
-stays on the device: no host synchronisation inside the loop.
+stays on the device: no host synchronisation inside the loop, and no Python branch on a tensor's
+value, so the walk can be captured in a CUDA graph (``step``). ``U`` comes from one LM head GEMM
+in the model dtype, finished to fp32 one position at a time. With ``draft_topk`` k (vLLM's
+``dspark_draft_topk``) the bias is added to the k best entries of ``U_j`` only and every other
+id counts as -inf (:func:`candidate_position`).
 """
 
 from __future__ import annotations
@@ -37,11 +41,18 @@ class WalkOutput:
     logits: Tensor | None = None  # [B, N, V] fp32 corrected logits z, when asked for
 
 
-def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor, anchor_token: Tensor,
-                sampled: DeviceSampling | None, keep_logits: bool = False) -> WalkOutput:
-    """hf [B, N, d] (model dtype), logits U [B, N, V] fp32, anchor_token [B] int64.
-    ``keep_logits`` also returns every position's corrected logits (tests, diagnostics)."""
+def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor | None, anchor_token: Tensor,
+                sampled: DeviceSampling | None, keep_logits: bool = False,
+                draft_topk: int = 0) -> WalkOutput:
+    """hf [B, N, d] (model dtype), anchor_token [B] int64. ``logits``: the base logits U
+    [B, N, V] fp32, or None to run the LM head here (:func:`head_groups`) and finish each
+    position's U [B, V] in fp32 as the walk reaches it: no [B, N, V] fp32 tensor (at B = 256
+    and a 152k vocabulary that is 1.1 GB, written and read several times). ``draft_topk`` > 0:
+    the candidate walk (:func:`candidate_position`). ``keep_logits`` also returns every
+    position's corrected logits (tests, diagnostics)."""
     b, n, _ = hf.shape
+    group = head_groups(model, b, n)
+    head_out = hf  # the current group's LM head output, [B, group, V] model dtype
     head = model.markov_head
     conf_head = model.confidence_head
     with_markov = model.config.confidence_head_with_markov
@@ -51,22 +62,34 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor, anchor_token: Ten
     for j in range(n):
         hf_j = hf[:, j]  # [B, d]
         e: Tensor | None = None
-        z = logits[:, j]  # [B, V]
-        if head is not None:
-            e, bias, state = head.step(prev, hf_j, state)  # e [B, r], bias [B, V]
-            z = z + bias.float()  # [B, V]
-        if keep_logits:
+        if logits is not None:
+            u = logits[:, j]  # [B, V]
+        else:
+            if j % group == 0:
+                head_out = model.head_logits(hf[:, j:j + group])  # [B, group, V]
+            u = model.finish_logits(head_out[:, j % group])  # [B, V] fp32
+        if draft_topk:
+            x, top2, ids, q, z, e, state = candidate_position(
+                model, u, hf_j, prev, state, draft_topk, sampled, keep_logits)
+        else:
+            z = u  # [B, V]
+            if head is not None:
+                e, bias, state = head.step(prev, hf_j, state)  # e [B, r], bias [B, V]
+                z = z + bias.float()  # [B, V]
+            x = torch.argmax(z, dim=-1)  # [B] first maximum: ties to the lower id
+            ids = q = None
+            if sampled is not None:
+                ids, q = sampling.build_q(z, sampled.top_k, sampled.temperature,
+                                          sampled.top_p)  # [B, K] each
+            top2 = torch.topk(z, 2, dim=-1).values  # [B, 2]
+        if keep_logits and z is not None:
             zs.append(z)
-        x = torch.argmax(z, dim=-1)  # [B] first maximum: ties to the lower id
-        if sampled is not None:
-            ids, q = sampling.build_q(z, sampled.top_k, sampled.temperature,
-                                      sampled.top_p)  # [B, K] each
+        if sampled is not None and ids is not None and q is not None:
             drawn = sampling.draw(ids, q, sampled.u[:, j])  # [B]
             keep = sampled.is_sampled.unsqueeze(1)  # [B, 1]
             x = torch.where(sampled.is_sampled, drawn, x)  # [B]
             supports.append(torch.where(keep, ids, 0))
             qs.append(torch.where(keep, q, 0))
-        top2 = torch.topk(z, 2, dim=-1).values  # [B, 2]
         margins.append(top2[:, 0] - top2[:, 1])  # [B]
         if conf_head is not None:
             feats = torch.cat([hf_j, e], dim=-1) if with_markov and e is not None else hf_j
@@ -84,3 +107,50 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor, anchor_token: Ten
         proposal_q=torch.stack(qs, dim=1) if sampled is not None else None,  # [B, N, K]
         logits=torch.stack(zs, dim=1) if keep_logits else None,  # [B, N, V]
     )
+
+
+# The LM head's output held at once, at most: every B up to 256 of the released Qwen3-4B and
+# Gemma4-12B shapes in bf16 runs one GEMM for all N positions (the head's weights read once);
+# past it (fp32 on a CPU, larger batches) the positions go in groups that fit.
+HEAD_BYTES_BUDGET = 1 << 30
+
+
+def head_groups(model: DraftModel, b: int, n: int, budget: int | None = None) -> int:
+    """Positions per LM head GEMM for B lanes: all N when their output fits ``budget``
+    (default ``HEAD_BYTES_BUDGET``)."""
+    budget = HEAD_BYTES_BUDGET if budget is None else budget
+    per_position = b * model.config.vocab_size * model.lm_head.weight.element_size()
+    return max(1, min(n, budget // max(per_position, 1)))
+
+
+def candidate_position(model: DraftModel, u: Tensor, hf_j: Tensor, prev: Tensor,
+                       state: Tensor | None, k: int, sampled: DeviceSampling | None,
+                       keep_logits: bool
+                       ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None,
+                                  Tensor | None, Tensor | None]:
+    """One position of the candidate walk (vLLM's ``dspark_draft_topk``): the Markov bias is
+    added to the k best base logits only and every other id counts as -inf; greedy, sampled,
+    margin and confidence then read that truncated distribution. Reads k rows of markov_w2
+    per lane instead of all V.
+
+    -> (greedy id [B], top-2 values [B, 2], support ids, q, dense z (keep_logits), e, state).
+    """
+    head = model.markov_head
+    vocab = u.shape[1]
+    base, cand = torch.topk(u, k, dim=-1)  # [B, k] each
+    e: Tensor | None = None
+    z = base  # [B, k]
+    if head is not None:
+        e, x_in, state = head.step_input(prev, hf_j, state)  # e, x_in [B, r]
+        z = z + head.bias_at(x_in, cand).float()  # [B, k]
+    best = z.max(dim=1, keepdim=True).values  # [B, 1]
+    x = torch.where(z == best, cand, vocab).min(dim=1).values  # [B] ties to the lower id
+    top2 = torch.topk(z, 2, dim=-1).values  # [B, 2]
+    ids = q = None
+    if sampled is not None:
+        ids, q = sampling.build_q_among(z, cand, sampled.top_k, sampled.temperature,
+                                        sampled.top_p, vocab)
+    dense = None
+    if keep_logits:
+        dense = torch.full_like(u, float("-inf")).scatter_(1, cand, z)  # [B, V]
+    return x, top2, ids, q, dense, e, state

@@ -10,7 +10,7 @@ import pytest
 
 from dspark_client import hello_from_checkpoint
 from protocol import wire
-from protocol.identity import identities_from_checkpoint
+from protocol.identity import identities_from_checkpoint, markov_walk_identity
 
 REFERENCE = Path(__file__).resolve().parents[2] / "dspark_worker" / "drafter" / "reference"
 
@@ -43,3 +43,21 @@ def test_aliases_and_a_missing_field(tmp_path: Path) -> None:
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="vocab_size"):
         hello_from_checkpoint(ckpt, window=16, max_slots=2)
+
+
+def test_draft_topk_enters_the_markov_identity(tmp_path: Path) -> None:
+    """The candidate walk (dspark_draft_topk) drafts other tokens: the HELLO names it through
+    the Markov identity, from the checkpoint's config or the engine's own setting."""
+    ckpt = tmp_path / "d"
+    shutil.copytree(REFERENCE, ckpt)
+    plain = identities_from_checkpoint(REFERENCE)[1]
+    walk = markov_walk_identity(plain, 64)
+    assert walk != plain and markov_walk_identity(plain, 0) == plain
+    assert hello_from_checkpoint(ckpt, window=8, max_slots=1, draft_topk=64).markov_identity \
+        == walk
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["dspark_draft_topk"] = 64
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert hello_from_checkpoint(ckpt, window=8, max_slots=1).markov_identity == walk
+    assert hello_from_checkpoint(ckpt, window=8, max_slots=1, draft_topk=0).markov_identity \
+        == plain

@@ -55,13 +55,15 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
         "shed_queue_steps = 3", "shutdown_timeout_s = 5", "drain_s = 2.5",
         'listen = "0.0.0.0:9000"', 'unix = "/run/d.sock"', 'metrics_listen = "[::1]:9001"',
         'worker_name = "w1"', 'auth_secret_file = "/s"', 'port_file = "/p"',
-        'log_level = "debug"', "warmup = false"])
+        'log_level = "debug"', "warmup = false", 'cuda_graphs = "off"',
+        "dspark_draft_topk = 1024"])
     c = build_config(write(tmp_path, text))
     given = {line.split(" = ")[0] for line in text.splitlines()}
     assert given == set(WorkerConfig.__struct_fields__)  # the file names every field
     assert c.max_frame_bytes == 1_000_000 and c.metrics_listen == "[::1]:9001"
     assert c.drain_s == 2.5
     assert c.max_shm_region_bytes == 0
+    assert c.cuda_graphs == "off" and c.dspark_draft_topk == 1024
 
 
 @pytest.mark.parametrize(("text", "field", "value"), [

@@ -6,6 +6,8 @@ checks (9.2, and 9.3 re-derived draws: integer arithmetic, exact on any device).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -138,3 +140,97 @@ def test_cuda_warmup_and_embedded_default() -> None:
     assert drafter.dtype == torch.bfloat16
     drafter.warmup()
     assert drafter.drafter_identity == embedded_default().drafter_identity
+
+
+# -- the captured draft step (one CUDA graph per bucket) --------------------------------------
+
+
+GEMMA4_TINY = Path(__file__).resolve().parent / "data" / "gemma4_tiny"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_capture_check_and_equal_eager(dtype: torch.dtype, family: str) -> None:
+    """Every bucket captures and passes the start-up self-check (graph replay against the eager
+    step on the same buffers, ids exactly); drafts through the graphs then equal eager drafts of
+    the same lanes: ids exactly in fp32, and to bf16's near-tie rate in bf16, where the padded
+    bucket's GEMMs may round differently."""
+    from dspark_worker.drafter import load_drafter
+
+    gpu = cuda_drafter(dtype) if family == "qwen3" else load_drafter(GEMMA4_TINY, device="cuda",
+                                                                     dtype=dtype)
+    config = gpu.config
+    pool = gpu.new_pool(16, W)
+    report = gpu.prepare_graphs(pool, 12)
+    assert report.fallback is None, report.fallback
+    assert report.buckets == (1, 2, 4, 8, 12) and report.graphs == 10
+    graphs = gpu.graphs
+    assert graphs is not None
+    rng = np.random.default_rng(5)
+    lanes = pool.allocate(16)
+    counts = rng.integers(1, 3 * W, 16)
+    rows = [make_rows(rng, int(n), config) for n in counts]
+    pool.apply(lanes, counts, counts, np.ones(16, dtype=bool), np.concatenate(rows))
+    for b in (1, 3, 8, 11):
+        pick = rng.permutation(16)[:b]
+        tokens = rng.integers(0, config.vocab_size, b)
+        params = SamplingParams(top_k=rng.integers(0, 33, b), temperature=np.ones(b),
+                                top_p=np.full(b, 0.9), seed=np.arange(b, dtype=np.uint64),
+                                generation=np.zeros(b))
+        for sampling in (None, params):
+            got = gpu.draft(pool, lanes[pick], counts[pick], tokens, sampling=sampling)
+            gpu.graphs = None
+            want = gpu.draft(pool, lanes[pick], counts[pick], tokens, sampling=sampling)
+            gpu.graphs = graphs
+            agree = (got.draft_ids == want.draft_ids).mean()
+            assert agree == 1.0 if dtype == torch.float32 else agree >= 0.9
+            if sampling is not None:
+                assert got.support_ids is not None and got.proposal_q is not None
+                top_k = np.asarray(params.top_k)
+                sampled.validate((top_k > 0).astype(np.uint8), got.support_ids, got.proposal_q,
+                                 got.draft_ids, np.ones(b, dtype=bool), config.vocab_size, top_k)
+                sampled.check_draws(top_k > 0, got.support_ids, got.proposal_q, got.draft_ids,
+                                    np.asarray(params.seed), params.generation, counts[pick])
+
+
+def test_cuda_graph_step_has_no_host_sync() -> None:
+    """The static step run eagerly under CUDA's sync debug mode: any synchronisation inside it
+    (what capture would refuse) raises."""
+    from dspark_worker.drafter.step import StaticStep
+
+    gpu = cuda_drafter(torch.bfloat16)
+    pool = gpu.new_pool(4, W)
+    for sampled_mode in (False, True):
+        step = StaticStep(gpu.model, pool, 4, TINY.block_size, sampled_mode)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.inference_mode():
+                step.compute()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_self_check_falls_back_on_a_wrong_graph() -> None:
+    """A captured step that differs from the eager one is caught at start-up: no graphs."""
+    from dspark_worker.drafter.step import CudaGraphReplay
+
+    class Wrong(CudaGraphReplay):
+        def replay(self) -> None:
+            super().replay()
+            self.outputs = {**self.outputs, "draft_ids": self.outputs["draft_ids"] + 1}
+
+    gpu = cuda_drafter(torch.bfloat16)
+    pool = gpu.new_pool(4, W)
+    report = gpu.prepare_graphs(pool, 4, replay=Wrong)
+    assert report.graphs == 0 and gpu.graphs is None
+    assert report.fallback is not None and "draft_ids" in report.fallback
+
+
+def test_cuda_graphs_of_the_candidate_walk() -> None:
+    """dspark_draft_topk: its graphs capture and pass the self-check too."""
+    gpu = cuda_drafter(torch.bfloat16).with_draft_topk(64)
+    pool = gpu.new_pool(8, W)
+    report = gpu.prepare_graphs(pool, 8)
+    assert report.fallback is None, report.fallback
+    assert report.graphs == 8 and gpu.graphs is not None
