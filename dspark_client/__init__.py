@@ -40,6 +40,8 @@ from .schedule import ConfidenceHistory, Schedule, SpsTable, schedule_global, sc
 from .stats import Stats
 from .transport import EndpointError, TransportError, TransportTimeout, make_client
 
+__version__ = "0.1.0"
+
 __all__ = [
     "ConfidenceHistory",
     "DraftRounds",
