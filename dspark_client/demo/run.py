@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,7 +170,8 @@ def run_demo(hello_for: Any, args: Any, out: TextIO, *, endpoint: str | None = N
         out.write(f"\nverified drafts: {accepted} of {offered} drafted tokens accepted"
                   f" ({accepted / max(offered, 1):.0%}); {st.mean_accepted_length:.2f} tokens"
                   " per verify instead of 1.\n")
-        out.write(closing_note(st.tokens_per_s, base.stats.tokens_per_s) + "\n")
+        out.write(textwrap.fill(closing_note(st.tokens_per_s, base.stats.tokens_per_s), 100)
+                  + "\n")
     return 0
 
 

@@ -75,5 +75,9 @@ def test_demo_sampled_and_batched(worker: WorkerProcess) -> None:
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "sampled T=0.8" in proc.stdout and "batch 2" in proc.stdout
+    assert "showing sequence 1 of 2" in proc.stdout
+    # Off a terminal, text from accepted drafts is marked between guillemets.
+    assert "is \u00abmarked\u00bb" in proc.stdout
+    assert proc.stdout.count("\u00ab") == proc.stdout.count("\u00bb") >= 2
     rounds = re.search(r"rounds \(failed\)\s+(\d+) \((\d+)\)", proc.stdout)
     assert rounds is not None and int(rounds.group(1)) > 0 and rounds.group(2) == "0"
