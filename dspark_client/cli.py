@@ -414,9 +414,11 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
                  f" {st.get('connections', '?')}")
     for s in sorted(sessions, key=lambda s: -int(s.get("max_slots", 0)))[:8]:
         idle = s.get("idle_s")
+        mean = (s.get("acceptance") or {}).get("mean_accepted_length")
         lines.append(f"    {_holder(s):<24} {s.get('max_slots')} slots"
                      f" ({s.get('slots_in_use', '?')} in use), {s.get('sample_mode', '?')},"
                      f" idle {_duration(idle)}"
+                     + (f", accepted length {mean:.2f}" if isinstance(mean, int | float) else "")
                      + ("" if s.get("connected", True) else ", disconnected"))
     if len(sessions) > 8:
         lines.append(f"    ... and {len(sessions) - 8} more (--json lists them)")
@@ -424,6 +426,7 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
     ref = ", ".join(f"{k} {v}" for k, v in sorted(refusals.items())) or "none"
     lines.append(f"  totals: {totals.get('steps', 0)} steps, {totals.get('rows', 0)} rows,"
                  f" {totals.get('drafted_positions', 0)} drafted positions; refusals: {ref}")
+    lines.extend(_acceptance_lines(totals.get("acceptance")))
     step = (st.get("latency_us") or {}).get("step") or {}
     if step.get("count"):
         lines.append(f"  step latency p50 {step.get('p50_us', 0) / 1e3:.2f} ms, p99"
@@ -436,6 +439,20 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
                      + (f", device {_bytes(mem['device_allocated_bytes'])}"
                         if mem.get("device_allocated_bytes") is not None else ""))
     return "\n".join(lines)
+
+
+def _acceptance_lines(acc: Any) -> list[str]:
+    """The worker's acceptance totals (STATS ``totals.acceptance``) in two lines."""
+    if not isinstance(acc, dict) or not acc.get("rounds"):
+        return ["  acceptance: no judged draft blocks yet"] if isinstance(acc, dict) else []
+
+    def row(values: Any) -> str:
+        return " ".join("-" if v is None else f"{v:.2f}" for v in values or [])
+
+    return [f"  acceptance: {acc['rounds']} judged blocks, mean accepted length"
+            f" {acc.get('mean_accepted_length', 0):.2f} (bonus token incl.)",
+            f"    by position {row(acc.get('acceptance_by_position'))}; predicted"
+            f" {row(acc.get('predicted_acceptance_by_position'))}"]
 
 
 def cmd_stats(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:

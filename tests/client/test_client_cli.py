@@ -270,12 +270,13 @@ def test_help_of_both_console_scripts_and_every_command(
     """What ``dspark-client [COMMAND] --help`` and ``dspark-worker --help`` run: the entry
     points pyproject names, each exiting 0 with its usage (a stray % in a help text used to
     end the top-level one in a TypeError)."""
-    import tomllib
     from pathlib import Path
+
+    import msgspec.toml
 
     from dspark_worker import cli as worker_cli
 
-    scripts = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())[
+    scripts = msgspec.toml.decode((Path(__file__).parents[2] / "pyproject.toml").read_bytes())[
         "project"]["scripts"]
     assert scripts == {"dspark-worker": "dspark_worker.cli:main",
                        "dspark-client": "dspark_client.cli:main"}
@@ -410,3 +411,22 @@ def test_a_closed_pipe_ends_a_command_quietly(fw: FakeWorker) -> None:
     err = proc.stderr.read()
     proc.stderr.close()
     assert proc.wait(60) == 141 and err == b"", err
+
+
+def test_stats_summary_shows_acceptance() -> None:
+    from dspark_client.cli import stats_summary
+    from protocol.acceptance import AcceptanceTotals
+
+    t = AcceptanceTotals(3)
+    empty = {"totals": {"acceptance": t.summary()}, "sessions": []}
+    assert "acceptance: no judged draft blocks yet" in stats_summary(empty, "tcp://w:1")
+    t.rounds, t.drafted[:] = 4, [4, 4, 2]
+    t.accepted[:], t.predicted[:] = [3, 2, 0], [3.2, 1.6, 0.5]
+    acc = t.summary()
+    st = {"totals": {"acceptance": acc},
+          "sessions": [{"label": "abc", "max_slots": 4, "acceptance": acc}]}
+    text = stats_summary(st, "tcp://w:1")
+    assert "acceptance: 4 judged blocks, mean accepted length 2.25 (bonus token incl.)" in text
+    assert "by position 0.75 0.50 0.00; predicted 0.80 0.40 0.25" in text
+    (line,) = [x for x in text.splitlines() if x.strip().startswith("session abc")]
+    assert line.endswith(", accepted length 2.25")
