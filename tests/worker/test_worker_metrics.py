@@ -88,6 +88,9 @@ def test_start_time_and_memory_gauges(worker: ThreadWorker) -> None:
     assert time.time() - 3600 < start <= time.time()
     assert value(s, "dspark_worker_resident_memory_bytes") > 16 * 2**20
     assert not [k for k in s if k[0].startswith("dspark_worker_device_memory")]
+    # No *_created series at all (they would double the series and nothing reads them).
+    assert "_created" not in text
+    assert value(s, "dspark_worker_connections_total") >= 0
 
 
 def test_device_memory_gauges_are_read_when_scraped() -> None:
