@@ -9,6 +9,7 @@ are families of ``dspark_client.metrics`` (``dspark_client_acceptance_*``, label
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -21,30 +22,35 @@ __all__ = ["ClientAcceptance", "record_verified"]
 
 class ClientAcceptance:
     """One client's chains and totals (all its sessions: every move or reconnect resyncs each
-    live slot, which ends its chain)."""
+    live slot, which ends its chain). The engine thread writes, a scrape reads: one lock,
+    held for one STEP's update or one read."""
 
-    __slots__ = ("_acc", "num_spec")
+    __slots__ = ("_acc", "_lock", "num_spec")
 
     def __init__(self, max_slots: int, num_spec: int) -> None:
         self.num_spec = num_spec
         self._acc = Acceptance(max_slots, num_spec)
-
-    @property
-    def totals(self) -> AcceptanceTotals:
-        return self._acc.totals
+        self._lock = threading.Lock()
 
     def step_answered(self, sent: npt.NDArray[Any], drafted: npt.NDArray[np.int64] | None,
                       confidence: npt.NDArray[np.float32] | None) -> None:
         """A STEP the worker answered: ``sent`` its entries (ENTRY_DTYPE, as packed);
         ``drafted`` and ``confidence`` those of a reply that passed every check, else None."""
-        self._acc.observe(sent["slot"], sent["generation"], sent["anchor_pos"], sent["flags"],
-                          drafted, confidence)
+        with self._lock:
+            self._acc.observe(sent, drafted, confidence)
 
     def record_verified(self, slots: npt.ArrayLike, counts: npt.ArrayLike) -> None:
-        self._acc.record_verified(slots, counts)
+        with self._lock:
+            self._acc.record_verified(slots, counts)
+
+    def totals(self) -> AcceptanceTotals:
+        """A copy of the totals, complete (the confidences still waiting are summed first)."""
+        with self._lock:
+            self._acc.flush()
+            return self._acc.totals.copy()
 
     def summary(self) -> dict[str, Any]:
-        return self._acc.totals.summary()
+        return self.totals().summary()
 
 
 def record_verified(client: Any, slots: npt.ArrayLike, counts: npt.ArrayLike) -> None:

@@ -130,7 +130,7 @@ def _acceptance_of(source: Any) -> ClientAcceptance | None:
 
 def acceptance_families(acc: ClientAcceptance) -> list[MetricFamily]:
     """The acceptance totals (docs/operations.md, "Acceptance") as counters by position."""
-    t, p = acc.totals, f"{PREFIX}_acceptance"
+    t, p = acc.totals(), f"{PREFIX}_acceptance"
     out = [MetricFamily(f"{p}_rounds", "counter", "Draft blocks whose outcome the slot's next"
                         " STEP showed (judged blocks).", (), {(): t.rounds}),
            MetricFamily(f"{p}_verified_rounds", "counter", "Judged blocks for which the engine"

@@ -9,6 +9,7 @@ per session in STATS (client names are unbounded: no labels for them).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,10 +32,12 @@ class WorkerAcceptance:
 
     def __init__(self, num_spec: int, registry: CollectorRegistry | None = None) -> None:
         self.num_spec = num_spec
-        self.totals = AcceptanceTotals(num_spec)
+        self._totals = AcceptanceTotals(num_spec)
         self._by_session: dict[Session, Acceptance] = {}
+        # The loop thread writes; a scrape (the metrics server's thread) reads.
+        self._lock = threading.Lock()
         if registry is not None:
-            registry.register(_AcceptanceFamilies(self.totals))
+            registry.register(_AcceptanceFamilies(self))
 
     def step_answered(self, item: StepItem) -> None:
         """A STEP answered ST_OK: judge what it resolves, keep what it drafted."""
@@ -43,7 +46,7 @@ class WorkerAcceptance:
             return
         acc = self._by_session.get(s)
         if acc is None:
-            acc = self._by_session[s] = Acceptance(s.max_slots, self.num_spec, (self.totals,))
+            acc = self._by_session[s] = Acceptance(s.max_slots, self.num_spec, (self._totals,))
         plan, reply, idx = item.plan, item.reply, item.drafting
         drafted = confidence = None
         if idx.size and reply is not None:
@@ -54,29 +57,45 @@ class WorkerAcceptance:
                 keep[idx] = True
                 k = np.where(keep, k, 0)
             drafted, confidence = k, reply.confidence
-        flags = item.view.entries["flags"]
-        acc.observe(plan.slots, plan.generation, plan.anchor_pos, flags, drafted, confidence)
+        # The entries are a view of the STEP's frame, whose buffer goes back to the pool in
+        # complete(): it is only reused by a later receive, never while this runs.
+        with self._lock:
+            acc.observe(item.view.entries, drafted, confidence)
 
     def forget(self, session: Session) -> None:
-        self._by_session.pop(session, None)
+        with self._lock:
+            acc = self._by_session.pop(session, None)
+            if acc is not None:
+                acc.flush()  # its judged blocks stay in the worker's totals
+
+    def totals(self) -> AcceptanceTotals:
+        """A copy of the worker's totals, complete (every session's waiting confidences are
+        summed first)."""
+        with self._lock:
+            for acc in self._by_session.values():
+                acc.flush()
+            return self._totals.copy()
 
     def session_summary(self, session: Session) -> dict[str, Any]:
-        acc = self._by_session.get(session)
-        return (acc.totals if acc is not None else AcceptanceTotals(self.num_spec)).summary()
+        with self._lock:
+            acc = self._by_session.get(session)
+            if acc is None:
+                return AcceptanceTotals(self.num_spec).summary()
+            acc.flush()
+            return acc.totals.summary()
 
 
 class _AcceptanceFamilies(Collector):
-    """The worker's acceptance totals as counters, read at scrape time (the loop thread is the
-    only writer; a scrape may see one STEP's positions half added, never a torn number)."""
+    """The worker's acceptance totals as counters, read at scrape time."""
 
-    def __init__(self, totals: AcceptanceTotals) -> None:
-        self.totals = totals
+    def __init__(self, owner: WorkerAcceptance) -> None:
+        self.owner = owner
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        t, p = self.totals, f"{PREFIX}_acceptance"
+        t, p = self.owner.totals(), f"{PREFIX}_acceptance"
         yield CounterMetricFamily(f"{p}_rounds", "Draft blocks whose outcome the slot's next"
                                   " STEP showed (judged blocks).", value=t.rounds)
         for name, text, values in (

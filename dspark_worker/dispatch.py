@@ -665,7 +665,7 @@ class Dispatcher:
                                     for rs, n in enumerate(m.request_counts)
                                     if rs in REQ_STATUS_NAMES}
         totals["sessions_dropped"] = dict(self._dropped_counts)
-        totals["acceptance"] = self.acceptance.totals.summary()
+        totals["acceptance"] = self.acceptance.totals().summary()
         out: dict[str, Any] = {
             "worker_name": i.worker_name, "version": i.version, "contract_version": VERSION,
             "uptime_s": round(now - self.started, 3), "ready": self.ready,

@@ -420,8 +420,9 @@ def test_stats_summary_shows_acceptance() -> None:
     t = AcceptanceTotals(3)
     empty = {"totals": {"acceptance": t.summary()}, "sessions": []}
     assert "acceptance: no judged draft blocks yet" in stats_summary(empty, "tcp://w:1")
-    t.rounds, t.drafted[:] = 4, [4, 4, 2]
-    t.accepted[:], t.predicted[:] = [3, 2, 0], [3.2, 1.6, 0.5]
+    # Four blocks: two of 3 drafts, two of 2; accepted 0, 1, 2 and 2 of them.
+    t.drafted_hist[:], t.lengths[:] = [0, 0, 2, 2], [1, 1, 2, 0]
+    t.predicted[:] = [3.2, 1.6, 0.5]
     acc = t.summary()
     st = {"totals": {"acceptance": acc},
           "sessions": [{"label": "abc", "max_slots": 4, "acceptance": acc}]}
