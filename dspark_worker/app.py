@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -82,8 +83,6 @@ def _why(exc: OSError) -> str:
 
 
 def _in_use(exc: OSError) -> bool:
-    import errno
-
     return exc.errno == errno.EADDRINUSE
 
 
