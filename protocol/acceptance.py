@@ -190,6 +190,14 @@ class Acceptance:
             accepted = anchor - last.a1
             self._count(accepted, accepted < last.kp1, last.kp1, last.conf, last.verified)
         else:
+            if int(w[:, 0].max()) >= self._kp1.size:
+                # Slots past max_slots (a STEP the worker refuses, 7.2 step 3): left out.
+                keep = w[:, 0] < self._kp1.size
+                self._steps = step
+                self.observe(entries[keep], None if drafted is None
+                             else np.asarray(drafted)[keep],
+                             None if confidence is None else confidence[keep])
+                return
             self._write_back()
             slots = w[:, 0].astype(np.intp)
             kp1 = self._kp1[slots]

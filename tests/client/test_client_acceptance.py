@@ -250,3 +250,5 @@ def test_a_chain_is_judged_only_by_the_slots_very_next_step() -> None:
     assert t.rounds == 9 and t.verified_rounds == 2
     with pytest.raises(ValueError, match=r"slot 4 is not in 0\.\.3"):
         acc.record_verified([4], [1])
+    step([0, 1, 9], [21, 23, 5], gen=3)  # slot 9 is past max_slots: left out, no error
+    assert t.rounds == 11
