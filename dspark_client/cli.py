@@ -628,13 +628,16 @@ def _bench(ctx: Ctx, args: argparse.Namespace, out: TextIO, client: RemoteDraftC
         "top_k": top_k, "accepted_rows_per_slot": accept + 1, "failed_rounds": failed,
         "failed_reasons": dict(failures),
         "rtt_ms": _percentiles_ms(rtts), "round_ms": _percentiles_ms(rounds_us),
-        "rounds_per_s": steps / measured_s if measured_s else math.nan,
-        "rows_per_s": rows / measured_s if measured_s else math.nan,
-        "drafted_positions_per_s": drafted / measured_s if measured_s else math.nan,
+        "rounds_per_s": steps / measured_s if measured_s else None,
+        "rows_per_s": rows / measured_s if measured_s else None,
+        "drafted_positions_per_s": drafted / measured_s if measured_s else None,
         "elapsed_s": elapsed,
     }
     if args.json:
         print(json.dumps(result, indent=2), file=out)
+    elif interrupted and not steps:
+        print(f"{ctx.endpoint}: interrupted during the warm-up, before any measured round",
+              file=out)
     else:
         r, t = result["rtt_ms"], result["round_ms"]
         print(f"{ctx.endpoint}: batch {B}, N {N}, W {W}, row_bytes {rb},"

@@ -94,8 +94,10 @@ def test_ctrl_c_releases_the_session(worker: WorkerProcess) -> None:
             proc.wait()
     assert proc.returncode == 130, err
     assert "releasing the session" in err
-    # The rounds measured before Ctrl-C are printed, on a line of their own.
-    assert "measured rounds" in out and "interrupted after" in out and "rtt " in out
+    # The rounds measured before Ctrl-C are printed (on a loaded machine Ctrl-C may come
+    # during the warm-up, and bench says so).
+    assert ("interrupted after" in out and "rtt " in out) or \
+        "interrupted during the warm-up, before any measured round" in out, out
     assert worker_stats(worker)["sessions"] == []
 
 
