@@ -36,9 +36,12 @@ def worker() -> Iterator[WorkerProcess]:
 def env_for(worker: WorkerProcess) -> dict[str, str]:
     assert worker.endpoint is not None
     bin_dir = str(Path(sys.executable).parent)  # where pip put dspark-client
+    # The console script imports this tree, also where the environment's editable install
+    # points at another checkout.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "DSPARK_ENDPOINT": worker.endpoint,
             "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-            "OMP_NUM_THREADS": "1"}
+            "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
 def test_quickstart_commands_run_as_written(worker: WorkerProcess) -> None:
