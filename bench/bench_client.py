@@ -13,6 +13,7 @@ the reply. Run:
     python bench/bench_client.py --rtt-us 0 # without the round-trip column
     python bench/bench_client.py --live 100 # step() against a real worker: client time per STEP
     python bench/bench_client.py --after-sleep 0,5,50  # the same against the stub, after a wait
+    python bench/bench_client.py --acceptance 4  # the acceptance hook alone, 64 and 256 entries
 
 The script runs unchanged at an older revision of the project (copy it into that checkout's
 bench/), which is how before-and-after figures are taken.
@@ -179,6 +180,15 @@ def entries_array(entries: list[wire.ReqEntry]) -> Any:
                          offset=wire.STEP_HEADER_SIZE).copy()
 
 
+def has_acceptance() -> bool:
+    """Whether this revision counts acceptance in ``step()``."""
+    try:
+        import dspark_client.acceptance  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def takes_arrays() -> bool:
     """Whether this revision's ``pack_step_prefix`` takes an entries array."""
     entries = make_entries(1, False, 1)
@@ -235,6 +245,37 @@ def bench_step(n: int, sampled: bool, seconds: float, rtt_us: float = 0.0,
     client.close()
     return {"what": "step[array]" if as_array else "step", "n": n, "N": N, "sampled": sampled,
             **res, "parts": {k: round(v["median_us"], 1) for k, v in parts.items()}}
+
+
+def bench_acceptance(n: int, seconds: float) -> dict[str, Any]:
+    """The acceptance hook ``step()`` runs once a reply is in (``ClientAcceptance``), on its
+    dearest path: every entry continues its slot and judges the block drafted last round (the
+    anchors advance by 1..N+1 each call). The anchors' update is timed alone and taken off."""
+    from dspark_client.acceptance import ClientAcceptance
+
+    rng = np.random.default_rng(2)
+    sent = entries_array(make_entries(n, False, rows_per_entry=1))
+    drafted = np.full(n, N, np.int64)
+    conf = rng.uniform(0.2, 1.0, (n, N)).astype(np.float32)
+    advance = rng.integers(1, N + 2, (256, n)).astype(np.uint32)
+    acc = ClientAcceptance(n, N)
+    state = {"i": 0}
+
+    def move() -> None:
+        sent["anchor_pos"] += advance[state["i"] & 255]
+        state["i"] += 1
+
+    def one() -> None:
+        move()
+        acc.step_answered(sent, drafted, conf)
+
+    res = timeit(one, seconds)
+    base = timeit(move, seconds / 2)
+    if acc.totals().rounds == 0:
+        raise RuntimeError("no block was judged: the benchmark misses the path it times")
+    return {"what": "acceptance", "n": n, "N": N, "sampled": False,
+            "median_us": res["median_us"] - base["median_us"],
+            "p90_us": res["p90_us"] - base["median_us"]}
 
 
 def bench_live(n: int, steps: int, top_k: int) -> dict[str, Any]:
@@ -446,8 +487,17 @@ def main(argv: list[str] | None = None) -> int:
                         " objects and, where taken, as an array) and the rounds (run_batch,"
                         " run), ROUNDS short medians each, interleaved; prints the smallest and"
                         " the median of them (a steadier figure on a shared machine)")
+    p.add_argument("--acceptance", type=int, default=0, metavar="ROUNDS",
+                   help="instead: the acceptance hook step() runs once a reply is in, on its"
+                        " dearest path, at 64 and 256 entries, ROUNDS short medians each")
     args = p.parse_args(argv)
     TOP_K = args.top_k
+    if args.acceptance:
+        for n in (64, 256):
+            meds = [bench_acceptance(n, 0.3)["median_us"] for _ in range(args.acceptance)]
+            print(f"acceptance n {n}: min {min(meds):.1f} median {statistics.median(meds):.1f}"
+                  f" us over {len(meds)} rounds")
+        return 0
     if args.repeat:
         cases = [("step", sampled, as_array) for as_array in (False, True)
                  for sampled in (False, True) if not as_array or takes_arrays()]
@@ -496,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
             for n in (1, 64, 256):
                 results.append(bench_rounds(n, sampled, seconds, form=form,
                                             rtt_us=args.rtt_us))
+    if has_acceptance():
+        for n in (64, 256):
+            results.append(bench_acceptance(n, seconds))
     env = {"python": sys.version.split()[0], "numpy": np.__version__,
            "machine": platform.machine(), "cpus": os.cpu_count()}
     if args.json:

@@ -26,8 +26,10 @@ In an engine's rank 0::
     if res.ok:   # else: target-only this step (never waits past timeout_ms)
         lengths = schedule_greedy(res.confidence, sps_table, res.num_drafted).lengths
         ...      # verify res.draft_ids[i, :lengths[i]]
+        record_verified(rounds, slots, lengths)   # optional: what the engine verified
 """
 
+from .acceptance import record_verified
 from .client import RemoteDraftClient, StepOutcome
 from .config import RemoteConfig, RemoteConfigError
 from .hello import hello_from_checkpoint
@@ -37,6 +39,8 @@ from .rounds import DraftRounds, RoundResult, SlotRequest
 from .schedule import ConfidenceHistory, Schedule, SpsTable, schedule_global, schedule_greedy
 from .stats import Stats
 from .transport import EndpointError, TransportError, TransportTimeout, make_client
+
+__version__ = "0.1.0"
 
 __all__ = [
     "ConfidenceHistory",
@@ -58,6 +62,7 @@ __all__ = [
     "hello_from_checkpoint",
     "make_client",
     "prometheus_collector",
+    "record_verified",
     "schedule_global",
     "schedule_greedy",
 ]

@@ -21,7 +21,8 @@ after its ``session_idle_s``).
 
 Exit status: 0 ok; 1 the worker answered an error (a refusal, a bad reply, BUSY) or more than
 1% of bench's measured rounds failed; 2 usage error; 3 connection error (cannot connect, timed
-out, connection lost); 130 interrupted. Failures print one line on stderr.
+out, connection lost); 130 interrupted; 141 the output pipe closed (``| head``), quietly.
+Failures print one line on stderr.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -46,10 +48,18 @@ import numpy as np
 from protocol import wire
 from protocol.messages import pack_reset
 
+from . import __version__
 from .client import RemoteDraftClient
 from .config import DEFAULT_ENDPOINT, RemoteConfig, RemoteConfigError, load_auth_secret
 from .rounds import DraftRounds, SlotRequest
-from .transport import EndpointError, SocketClient, TransportError, make_client, parse_endpoint
+from .transport import (
+    EndpointError,
+    SocketClient,
+    TransportError,
+    TransportTimeout,
+    make_client,
+    parse_endpoint,
+)
 
 __all__ = ["BENCH_MAX_FAILED_SHARE", "main", "normalise_endpoint"]
 
@@ -58,6 +68,7 @@ EXIT_WORKER: Final = 1
 EXIT_USAGE: Final = 2
 EXIT_CONNECTION: Final = 3
 EXIT_INTERRUPTED: Final = 130
+EXIT_CLOSED_PIPE: Final = 141  # 128 + SIGPIPE, as a shell reports a tool a closed pipe ended
 # bench fails (exit 1) when more than this share of its measured rounds failed: a worker that
 # drops one round in a hundred is degraded, not healthy.
 BENCH_MAX_FAILED_SHARE: Final = 0.01
@@ -101,6 +112,9 @@ class Interrupt:
 
     def __init__(self) -> None:
         self.requested = False
+        # What the first Ctrl-C lets happen before the exit; a command without a session
+        # (ping) says so.
+        self.then = "releasing the session"
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -117,7 +131,7 @@ class Interrupt:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("dspark-client: interrupted; releasing the session (Ctrl-C again to quit now)",
+        print(f"\ndspark-client: interrupted; {self.then} (Ctrl-C again to quit now)",
               file=sys.stderr, flush=True)
 
     def check(self) -> None:
@@ -138,7 +152,8 @@ class Ctx:
         try:
             parse_endpoint(self.endpoint)
         except EndpointError as exc:
-            raise CliError(str(exc), EXIT_USAGE) from None
+            given = args.endpoint if self.endpoint_source == "--endpoint" else env
+            raise CliError(f"{self.endpoint_source} {given!r}: {exc}", EXIT_USAGE) from None
         self.timeout: float = args.timeout
         self.secret: bytes | None = (load_auth_secret(args.auth_secret_file)
                                      if args.auth_secret_file else None)
@@ -155,8 +170,30 @@ class Ctx:
         try:
             conn.connect(timeout or self.timeout)
         except TransportError as exc:
-            raise _conn_error(str(exc)) from None
+            raise _conn_error(f"{exc}{self.connect_hint(exc)}") from None
         return conn
+
+    def connect_hint(self, exc: BaseException) -> str:
+        """What a failed connect most likely means, for the one error line."""
+        text = str(exc).lower()
+        if "refused" in text or "no such file" in text:
+            return (f"; is dspark-worker running and listening at {self.endpoint}"
+                    f" (endpoint from {self.endpoint_source})?")
+        return ""
+
+    def speaks_http(self) -> bool:
+        """Whether a TCP endpoint answers an HTTP request: then it is the worker's metrics
+        port (--metrics-listen), not the one it serves frames on (--listen)."""
+        ep = parse_endpoint(self.endpoint)
+        if ep.kind != "tcp":
+            return False
+        wait = min(self.timeout, 1.0)
+        try:
+            with socket.create_connection((ep.host, ep.port), timeout=wait) as sock:
+                sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+                return sock.recv(5) == b"HTTP/"
+        except OSError:
+            return False
 
     def request(self, conn: SocketClient, op: int, body: bytes = b"", session: int = 0,
                 buf: bytearray | None = None,
@@ -166,6 +203,10 @@ class Ctx:
         buf = buf if buf is not None else bytearray(1 << 16)
         try:
             n = conn.request(wire.frame(op, seq, session, body), buf, timeout or self.timeout)
+        except TransportTimeout as exc:
+            hint = (f"; {self.endpoint} answers HTTP: it is a metrics port (--metrics-listen),"
+                    " give the worker's --listen address" if self.speaks_http() else "")
+            raise _conn_error(f"{exc}{hint}") from None
         except TransportError as exc:
             raise _conn_error(str(exc)) from None
         try:
@@ -302,11 +343,18 @@ def open_client(ctx: Ctx, hello: wire.Hello, timeout: float | None = None
 # -- commands ------------------------------------------------------------------------------------
 def cmd_ping(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
     rtts: list[float] = []
+    ctx.interrupt.then = "stopping after this PING"  # ping holds no session
+    code = EXIT_OK
     with ctx.connect() as conn:
         for i in range(args.count):
+            if ctx.interrupt.requested:
+                code = EXIT_INTERRUPTED
+                break
             if i:
-                ctx.interrupt.check()
                 time.sleep(args.interval)
+                if ctx.interrupt.requested:
+                    code = EXIT_INTERRUPTED
+                    break
             t0 = time.perf_counter()
             h, _body = ctx.request(conn, wire.OP_PING)
             rtt_ms = (time.perf_counter() - t0) * 1e3
@@ -314,11 +362,11 @@ def cmd_ping(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
                 raise _worker_error(f"PING refused: {_status_name(h.status)}")
             rtts.append(rtt_ms)
             print(f"pong from {ctx.endpoint}: {rtt_ms:.3f} ms", file=out, flush=True)
-    if len(rtts) > 1:
+    if len(rtts) > 1 or (rtts and code != EXIT_OK):
         a = np.asarray(rtts)
         print(f"--- {ctx.endpoint}: {len(rtts)} pings, rtt min/avg/max/mdev ="
               f" {a.min():.3f}/{a.mean():.3f}/{a.max():.3f}/{a.std():.3f} ms", file=out)
-    return EXIT_OK
+    return code
 
 
 def _bytes(n: Any) -> str:
@@ -366,9 +414,11 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
                  f" {st.get('connections', '?')}")
     for s in sorted(sessions, key=lambda s: -int(s.get("max_slots", 0)))[:8]:
         idle = s.get("idle_s")
+        mean = (s.get("acceptance") or {}).get("mean_accepted_length")
         lines.append(f"    {_holder(s):<24} {s.get('max_slots')} slots"
                      f" ({s.get('slots_in_use', '?')} in use), {s.get('sample_mode', '?')},"
                      f" idle {_duration(idle)}"
+                     + (f", accepted length {mean:.2f}" if isinstance(mean, int | float) else "")
                      + ("" if s.get("connected", True) else ", disconnected"))
     if len(sessions) > 8:
         lines.append(f"    ... and {len(sessions) - 8} more (--json lists them)")
@@ -376,6 +426,7 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
     ref = ", ".join(f"{k} {v}" for k, v in sorted(refusals.items())) or "none"
     lines.append(f"  totals: {totals.get('steps', 0)} steps, {totals.get('rows', 0)} rows,"
                  f" {totals.get('drafted_positions', 0)} drafted positions; refusals: {ref}")
+    lines.extend(_acceptance_lines(totals.get("acceptance")))
     step = (st.get("latency_us") or {}).get("step") or {}
     if step.get("count"):
         lines.append(f"  step latency p50 {step.get('p50_us', 0) / 1e3:.2f} ms, p99"
@@ -388,6 +439,20 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
                      + (f", device {_bytes(mem['device_allocated_bytes'])}"
                         if mem.get("device_allocated_bytes") is not None else ""))
     return "\n".join(lines)
+
+
+def _acceptance_lines(acc: Any) -> list[str]:
+    """The worker's acceptance totals (STATS ``totals.acceptance``) in two lines."""
+    if not isinstance(acc, dict) or not acc.get("rounds"):
+        return ["  acceptance: no judged draft blocks yet"] if isinstance(acc, dict) else []
+
+    def row(values: Any) -> str:
+        return " ".join("-" if v is None else f"{v:.2f}" for v in values or [])
+
+    return [f"  acceptance: {acc['rounds']} judged blocks, mean accepted length"
+            f" {acc.get('mean_accepted_length', 0):.2f} (bonus token incl.)",
+            f"    by position {row(acc.get('acceptance_by_position'))}; predicted"
+            f" {row(acc.get('predicted_acceptance_by_position'))}"]
 
 
 def cmd_stats(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
@@ -429,6 +494,7 @@ class Progress:
         self.stream = stream
         self.enabled = enabled and _isatty(stream)
         self._last = 0.0
+        self._open = False  # a bar is drawn and its line not ended
 
     def update(self, label: str, done: int, total: int, note: str = "") -> None:
         if not self.enabled or total <= 0:
@@ -441,9 +507,17 @@ class Progress:
         fill = int(width * done / total)
         self.stream.write(f"\r{label:<8} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}"
                           f" {note}\x1b[K")
-        if done >= total:
+        self._open = done < total
+        if not self._open:
             self.stream.write("\n")
         self.stream.flush()
+
+    def finish(self) -> None:
+        """End a bar left part drawn (an interrupted run), so what follows starts a line."""
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
 
 
 def _isatty(stream: TextIO) -> bool:
@@ -495,8 +569,10 @@ def _bench(ctx: Ctx, args: argparse.Namespace, out: TextIO, client: RemoteDraftC
     progress = Progress(sys.stderr, enabled=not args.no_progress)
     t_start = time.perf_counter()
     total = args.warmup + args.steps
+    ctx.interrupt.then = "printing the rounds measured so far and releasing the session"
     for step in range(total):
-        ctx.interrupt.check()
+        if ctx.interrupt.requested:
+            break
         if step == args.warmup:  # measured rounds get the per-request deadline
             client.cfg = msgspec.structs.replace(client.cfg, timeout_ms=ctx.timeout * 1e3)
         reqs = []
@@ -539,38 +615,49 @@ def _bench(ctx: Ctx, args: argparse.Namespace, out: TextIO, client: RemoteDraftC
         if not res.ok and not client.ready and not client.connect_now():
             raise _conn_error(f"connection to {ctx.endpoint} lost after round {step + 1}:"
                               f" {client.last_error}")
+    progress.finish()
     elapsed = time.perf_counter() - t_start
     measured_s = sum(rounds_us) / 1e6
     failed = sum(failures.values())
+    steps = len(rounds_us)  # args.steps unless interrupted
+    interrupted = ctx.interrupt.requested
     result = {
-        "endpoint": ctx.endpoint, "batch": B, "steps": args.steps, "warmup": args.warmup,
+        "endpoint": ctx.endpoint, "batch": B, "steps": steps, "warmup": args.warmup,
+        "interrupted": interrupted,
         "num_spec": N, "window": W, "row_bytes": rb, "sampled": bool(args.sampled),
         "top_k": top_k, "accepted_rows_per_slot": accept + 1, "failed_rounds": failed,
         "failed_reasons": dict(failures),
         "rtt_ms": _percentiles_ms(rtts), "round_ms": _percentiles_ms(rounds_us),
-        "rounds_per_s": args.steps / measured_s if measured_s else math.nan,
-        "rows_per_s": rows / measured_s if measured_s else math.nan,
-        "drafted_positions_per_s": drafted / measured_s if measured_s else math.nan,
+        "rounds_per_s": steps / measured_s if measured_s else None,
+        "rows_per_s": rows / measured_s if measured_s else None,
+        "drafted_positions_per_s": drafted / measured_s if measured_s else None,
         "elapsed_s": elapsed,
     }
     if args.json:
         print(json.dumps(result, indent=2), file=out)
+    elif interrupted and not steps:
+        print(f"{ctx.endpoint}: interrupted during the warm-up, before any measured round",
+              file=out)
     else:
         r, t = result["rtt_ms"], result["round_ms"]
         print(f"{ctx.endpoint}: batch {B}, N {N}, W {W}, row_bytes {rb},"
               f" {'sampled top_k ' + str(top_k) if args.sampled else 'greedy'},"
-              f" {args.steps} measured rounds after {args.warmup} warm-up ({failed} failed)",
+              f" {steps} measured rounds after {args.warmup} warm-up ({failed} failed)"
+              + (f", interrupted after {steps} of {args.steps}" if interrupted else ""),
               file=out)
-        for name, d in (("rtt", r), ("round", t)):
+        for name, d, what in (("rtt", r, "STEP sent to reply received"),
+                              ("round", t, "DraftRounds.run: rtt plus packing and checks")):
             if d:
                 print(f"  {name:<6} p50 {d['p50']:8.3f} ms  p90 {d['p90']:8.3f} ms"
-                      f"  p99 {d['p99']:8.3f} ms  max {d['max']:8.3f} ms", file=out)
+                      f"  p99 {d['p99']:8.3f} ms  max {d['max']:8.3f} ms  ({what})", file=out)
         print(f"  {result['rounds_per_s']:.1f} rounds/s, {result['rows_per_s']:.0f} rows/s,"
               f" {result['drafted_positions_per_s']:.0f} drafted positions/s", file=out)
-    if args.steps and failed / args.steps > BENCH_MAX_FAILED_SHARE:
+    if interrupted:
+        return EXIT_INTERRUPTED
+    if steps and failed / steps > BENCH_MAX_FAILED_SHARE:
         reasons = ", ".join(f"{k} {v}" for k, v in failures.most_common())
-        raise _worker_error(f"{failed} of {args.steps} measured rounds failed"
-                            f" ({100 * failed / args.steps:.1f}%, over the"
+        raise _worker_error(f"{failed} of {steps} measured rounds failed"
+                            f" ({100 * failed / steps:.1f}%, over the"
                             f" {BENCH_MAX_FAILED_SHARE:.0%} allowed): {reasons}")
     return EXIT_OK
 
@@ -715,14 +802,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dspark-client", description="Talk to a DSpark draft worker.",
         epilog="Exit status: 0 ok; 1 the worker answered an error (or bench: more than"
                f" {BENCH_MAX_FAILED_SHARE:.0%} of measured rounds failed); 2 usage error;"
-               f" 3 connection error; {EXIT_INTERRUPTED} interrupted. Global options may also"
-               " follow the command.")
+               f" 3 connection error; {EXIT_INTERRUPTED} interrupted; {EXIT_CLOSED_PIPE} the"
+               " output pipe closed. Global options may also follow the command.")
     _add_global(p, sub=False)
+    p.add_argument("--version", action="version", version=f"dspark-client {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, text: str) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, help=text, description=text)
+        # argparse %-formats help strings (not descriptions): a literal % must be doubled.
+        c = sub.add_parser(name, help=text.replace("%", "%%"), description=text)
         _add_global(c, sub=True)
+        c.set_defaults(command_parser=c)
         return c
 
     ping = command("ping", "PING the worker, print the round trip")
@@ -781,7 +871,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits 2
+    # Usage errors: argparse prints the usage and exits 2. An option no parser knows is
+    # reported with the usage of the command it followed, not the top-level one.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     out = out if out is not None else sys.stdout
     # The client logs connection events (for engines); here the one error line says it all.
     client_log = logging.getLogger("dspark_client")
@@ -810,6 +904,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except KeyboardInterrupt:
         print("dspark-client: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly. Later writes to the closed pipe, at
+        # interpreter exit too, go to /dev/null instead of raising again.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, (out if out is not None else sys.stdout).fileno())
+        return EXIT_CLOSED_PIPE
     finally:
         client_log.setLevel(level)
 

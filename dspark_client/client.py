@@ -68,6 +68,7 @@ from protocol.sampled import ReplyCheck, Scratch
 from protocol.shm import ROWS_ALIGN, set_rows_at
 from protocol.validate import ValuesAhead, check_reply_values
 
+from .acceptance import ClientAcceptance
 from .config import RemoteConfig
 from .discovery import RESOLVE_RETRY_S, Discovery, Resolver, is_dns_endpoint
 from .metrics import RTT_KEY, STEP_RTT_BUCKETS
@@ -239,6 +240,7 @@ class RemoteDraftClient:
         self.cfg = cfg
         self.hello = hello.without_auth()
         self.stats = stats if stats is not None else Stats()
+        self.acceptance = ClientAcceptance(hello.max_slots, hello.num_spec)
         self._factory: Callable[..., RpcClient] = transport_factory or functools.partial(
             make_client, max_reply_bytes=cfg.max_reply_bytes)
         self._secret = cfg.secret()
@@ -997,6 +999,8 @@ class RemoteDraftClient:
             rtt_us = (time.perf_counter() - t0) * 1e6
             out = self._check_step_reply(size, seq, session, step_id, entries, sent, rtt_us,
                                          body_len, ahead)
+            self.acceptance.step_answered(sent, out.drafted, out.reply.confidence
+                                          if out.ok and out.reply is not None else None)
             counts: dict[str, float] = {"steps": 1, "bytes_sent": wire.APP_HEADER_SIZE + body_len,
                                         "bytes_received": size}
             if shm_at is not None:

@@ -17,12 +17,13 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, NamedTuple
 
+from .acceptance import ClientAcceptance
 from .stats import COUNTERS as STATS_COUNTERS
 from .stats import GAUGES as STATS_GAUGES
 from .stats import Stats
 
-__all__ = ["PREFIX", "STEP_RTT_BUCKETS", "MetricFamily", "client_metrics", "families",
-           "prometheus_collector"]
+__all__ = ["PREFIX", "STEP_RTT_BUCKETS", "MetricFamily", "acceptance_families", "client_metrics",
+           "families", "prometheus_collector"]
 
 PREFIX: Final = "dspark_client"
 # STEP round trips: 50 us (loopback, small STEP) .. 5 s (far past any sane timeout_ms).
@@ -52,7 +53,8 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "starved_slots_total": ("starved_slots", "Times a slot was left out of fair_bound_rounds"
                                              " rounds in a row (see starved_slots_now)."),
     "steps": ("steps", "STEPs answered by the worker (any status)."),
-    "steps_ok": ("steps_accepted", "STEP replies that passed every check."),
+    "steps_ok": ("steps_ok", "STEP replies that passed every check (not draft acceptance:"
+                             " see dspark_client_acceptance_accepted_total)."),
     "step_timeouts": ("step_timeouts", "STEPs not answered within timeout_ms."),
     "step_transport_errors": ("step_transport_errors", "STEPs lost to a connection error."),
     "bad_replies": ("bad_replies", "STEP replies refused by the client's checks."),
@@ -114,6 +116,37 @@ def _stats_of(source: Any) -> Stats:
             return obj
     raise TypeError(f"{type(source).__name__} is not a Stats and holds none (.stats,"
                     " .client.stats)")
+
+
+def _acceptance_of(source: Any) -> ClientAcceptance | None:
+    """The ``ClientAcceptance`` of a RemoteDraftClient (``.acceptance``) or a DraftRounds
+    (``.client.acceptance``); None for a bare ``Stats``."""
+    for obj in (source, getattr(source, "client", None)):
+        acc = getattr(obj, "acceptance", None)
+        if isinstance(acc, ClientAcceptance):
+            return acc
+    return None
+
+
+def acceptance_families(acc: ClientAcceptance) -> list[MetricFamily]:
+    """The acceptance totals (docs/operations.md, "Acceptance") as counters by position."""
+    t, p = acc.totals(), f"{PREFIX}_acceptance"
+    out = [MetricFamily(f"{p}_rounds", "counter", "Draft blocks whose outcome the slot's next"
+                        " STEP showed (judged blocks).", (), {(): t.rounds}),
+           MetricFamily(f"{p}_verified_rounds", "counter", "Judged blocks for which the engine"
+                        " said how many drafts it verified (record_verified).", (),
+                        {(): t.verified_rounds})]
+    for name, text, values in (
+            ("drafted", "Judged blocks with a draft at this block position.", t.drafted),
+            ("accepted", "Drafts the target accepted at this block position (the drafts before"
+             " it were accepted too).", t.accepted),
+            ("predicted", "The confidence head's probability that the draft at this position is"
+             " accepted (prefix survival), summed over judged blocks.", t.predicted),
+            ("verified", "Drafts the engine verified at this block position, of the blocks it"
+             " reported (record_verified).", t.verified)):
+        out.append(MetricFamily(f"{p}_{name}", "counter", text, ("position",),
+                                {(str(j),): v for j, v in enumerate(values.tolist())}))
+    return out
 
 
 def families(source: Any) -> list[MetricFamily]:
@@ -183,6 +216,9 @@ def families(source: Any) -> list[MetricFamily]:
                             " sent to reply received, of STEPs the worker answered.", (),
                             {(): {"buckets": buckets, "count": rtt["count"] if rtt else 0,
                                   "sum": rtt["sum"] if rtt else 0.0}}))
+    acc = _acceptance_of(source)
+    if acc is not None:
+        out.extend(acceptance_families(acc))
     return out
 
 
@@ -230,6 +266,7 @@ def prometheus_collector(source: Any, *, labels: Mapping[str, str] | None = None
     from prometheus_client.registry import Collector
 
     stats = _stats_of(source)  # fail now, not at the first scrape
+    acc = _acceptance_of(source)
     const = dict(labels or {})
     for name in const:
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name) or name.startswith("__"):
@@ -242,7 +279,7 @@ def prometheus_collector(source: Any, *, labels: Mapping[str, str] | None = None
             return []  # families appear as counters do; several clients may share a registry
 
         def collect(self) -> Iterator[Any]:
-            for fam in families(stats):
+            for fam in families(source if acc is not None else stats):
                 names = [*const_names, *fam.labels]
                 if fam.kind == "histogram":
                     hist = HistogramMetricFamily(fam.name, fam.help, labels=names)

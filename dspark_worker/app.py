@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -79,6 +80,10 @@ def _why(exc: OSError) -> str:
     """An OSError as the words after the colon: "address already in use", not a repr."""
     text = exc.strerror or str(exc) or type(exc).__name__
     return text[:1].lower() + text[1:]
+
+
+def _in_use(exc: OSError) -> bool:
+    return exc.errno == errno.EADDRINUSE
 
 
 def resolve_device(name: str) -> str:
@@ -205,8 +210,12 @@ class WorkerApp:
             try:
                 self.drafter = await loop.run_in_executor(self._device, load_drafter_for, c)
             except Exception as exc:
+                # The checkpoint's own errors say what is wrong in words; anything else is a
+                # surprise, and its class name helps.
+                what = str(exc) if isinstance(exc, ValueError | OSError) \
+                    else f"{type(exc).__name__}: {exc}"
                 raise StartupError(f"cannot load the drafter ({c.checkpoint or 'embedded'}):"
-                                   f" {type(exc).__name__}: {exc}") from exc
+                                   f" {what}") from exc
         d = self.drafter
         device, dtype = str(d.device), _dtype_name(d.dtype)
         self.metrics.watch_memory(rss_bytes, _cuda_memory(d.device)
@@ -357,7 +366,10 @@ class WorkerApp:
                 self.metrics_address = await self.metrics_server.start(
                     *parse_host_port(c.metrics_listen))
             except OSError as exc:
-                raise StartupError(f"metrics listener {c.metrics_listen}: {_why(exc)}") from None
+                hint = ("; another worker on this host? give this one its own"
+                        " --metrics-listen (or none)" if _in_use(exc) else "")
+                raise StartupError(f"metrics listener {c.metrics_listen}: {_why(exc)}{hint}"
+                                   ) from None
             log.info("metrics on http://%s:%d/metrics (and /healthz)", *self.metrics_address)
 
     def _close_bound(self) -> None:
@@ -528,4 +540,15 @@ class WorkerApp:
             await self.metrics_server.stop()
         if self.buffers is not None:
             self.buffers.clear()
+        self._remove_port_file()
         return 1 if self.failed else code
+
+    def _remove_port_file(self) -> None:
+        """A clean exit takes its port file away (a stale one would point a supervisor or a
+        script at a port nobody serves); one another process has rewritten since is left."""
+        path = self.config.port_file
+        if not path:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(Path(path).read_text()).get("pid") == os.getpid():
+                os.unlink(path)

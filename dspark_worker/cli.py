@@ -40,6 +40,7 @@ from .config import (
     ConfigError,
     WorkerConfig,
     build_config,
+    path_problems,
 )
 
 log = logging.getLogger("dspark_worker")
@@ -195,6 +196,9 @@ def setup_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     setup_logging(config.log_level)
+    for problem in path_problems(config):  # at once, before torch is imported
+        log.error("cannot start: %s", problem)
+        sys.exit(1)
     from .app import StartupError, WorkerApp
 
     async def _run() -> int:

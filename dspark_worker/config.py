@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import socket
 from pathlib import Path
 from typing import Any, Final
@@ -250,7 +251,21 @@ def _normalise(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _convert(values: dict[str, Any], source: str) -> WorkerConfig:
+# msgspec's type names, as the words of an error message.
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
+               "bool": "true or false", "null": "unset", "array": "a list", "object": "a table"}
+
+
+def _type_words(expected: str) -> str:
+    """``int | null`` -> ``an integer``: what a field takes, in words (unset is implied)."""
+    names = [n.strip() for n in expected.split("|") if n.strip() != "null"]
+    return " or ".join(_TYPE_WORDS.get(n, n) for n in names) or expected
+
+
+def _convert(values: dict[str, Any], source: str,
+             source_of: dict[str, str] | None = None) -> WorkerConfig:
+    """``source_of``: where each given field came from (a flag, the file), to name in an
+    error; ``source`` for the others."""
     values = _normalise(values)
     try:
         return msgspec.convert(values, WorkerConfig, strict=False)
@@ -260,14 +275,20 @@ def _convert(values: dict[str, Any], source: str) -> WorkerConfig:
             # a type error: msgspec says "Expected `int`, got `str` - at `$.max_slots`"
             field = text.rsplit("`$.", 1)[1].rstrip("`")
             what = text.split(" - at ")[0]
+            m = re.fullmatch(r"Expected `([^`]+)`, got `([^`]+)`", what)
+            if m:
+                what = (f"is not {_type_words(m.group(1))} (it is"
+                        f" {_TYPE_WORDS.get(m.group(2), m.group(2))})")
             value = values.get(field)
-            raise ConfigError(f"{source}: {field}: {value!r}: {what}", field=field,
+            where = (source_of or {}).get(field, source)
+            raise ConfigError(f"{where}: {field}: {value!r} {what}", field=field,
                               value=value) from None
         # a rule of _problems (msgspec re-raises __post_init__ errors with their message)
         field = text.split(":", 1)[0]
         if field in WorkerConfig.__struct_fields__:
             value = values.get(field, getattr(WorkerConfig(), field, None))
-            raise ConfigError(f"{source}: {text}", field=field, value=value) from None
+            where = (source_of or {}).get(field, source)
+            raise ConfigError(f"{where}: {text}", field=field, value=value) from None
         raise ConfigError(f"{source}: {text}") from None
 
 
@@ -302,14 +323,37 @@ def build_config(file: str | Path | None = None,
     a ``None`` value means "not given")."""
     values: dict[str, Any] = {}
     source = "defaults"
+    source_of: dict[str, str] = {}
     if file is not None:
-        values.update(read_config_file(file))
+        from_file = read_config_file(file)
+        values.update(from_file)
         source = f"config file {str(file)!r}"
+        source_of.update(dict.fromkeys(from_file, source))
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     if given:
         values.update(given)
+        source_of.update({k: "--" + k.replace("_", "-") for k in given})
         source = "command line" if file is None else f"{source} and command line"
-    return _convert(values, source)
+    return _convert(values, source, source_of)
+
+
+def path_problems(config: WorkerConfig) -> list[str]:
+    """Folders named in the configuration that do not exist, said before anything loads
+    (torch included): a start-up error, not a usage error, since a volume may be mounted
+    late."""
+    out = []
+    for field in ("checkpoint", "target_checkpoint"):
+        value = getattr(config, field)
+        if value is None:
+            continue
+        p = Path(value)
+        flag = "--" + field.replace("_", "-")
+        if not p.exists():
+            out.append(f"{flag} {value}: does not exist")
+        elif not p.is_dir():
+            out.append(f"{flag} {value}: is not a folder (a checkpoint is a folder with"
+                       " config.json and safetensors files)")
+    return out
 
 
 def max_step_body_bytes(max_slots: int, max_rows_per_step: int, row_bytes: int) -> int:

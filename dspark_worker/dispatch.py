@@ -41,12 +41,13 @@ go only to its own connection)::
                     "sample_mode": "greedy" | "top32",
                     "max_slots": int, "slots_in_use": int, "connected": bool,
                     "age_s": float, "idle_s": float, "steps": int, "rows": int,
-                    "drafted_positions": int}],
+                    "drafted_positions": int, "acceptance": ACCEPTANCE}],
       "totals": {"frames", "steps", "rows", "drafted_positions", "received_bytes",
                  "sent_bytes", "batches": int,
                  "refusals": {"<OP>:<STATUS>": int},
                  "request_status": {"OK" | "PARTIAL_WINDOW" | ...: int},
-                 "sessions_dropped": {"replaced" | "recreated" | "expired" | "goodbye" | ...: int}},
+                 "sessions_dropped": {"replaced" | "recreated" | "expired" | "goodbye" | ...: int},
+                 "acceptance": ACCEPTANCE},
       "latency_us": {"decode" | "queue" | "apply" | "draft" | "encode" | "step" |
                      "to_device" | "from_device":
                      {"count": int, "p50_us", "p90_us", "p99_us", "max_us": float}},
@@ -54,6 +55,13 @@ go only to its own connection)::
                  "receive_buffers_bytes": int, "rss_bytes": int,
                  "device_allocated_bytes": int | null}
     }
+
+ACCEPTANCE is ``protocol.acceptance.AcceptanceTotals.summary()`` over the draft blocks the
+next STEP judged (docs/operations.md, "Acceptance"): ``rounds``, ``accepted_drafts``,
+``mean_accepted_drafts`` and ``mean_accepted_length`` (the bonus token included; null before
+the first block), and N-long lists ``drafted_by_position``, ``accepted_by_position``,
+``predicted_by_position``, ``acceptance_by_position`` and ``predicted_acceptance_by_position``
+(null where nothing was drafted).
 
 ``session`` and ``client_name`` appear only in the entry of the session bound to the connection
 that asked (section 11); every entry has ``label``, a keyed hash of the id (12 hex digits).
@@ -121,6 +129,7 @@ from protocol.messages import Hello, HelloReply, StepView, decode_step, reset_sl
 from protocol.shm import decode_step_shm
 from protocol.validate import check_step_shape
 
+from .acceptance import WorkerAcceptance
 from .config import LIVE_SESSION_S, max_step_body_bytes
 from .metrics import Metrics
 from .runner import LaneOp, Runner, StepItem, reply_bytes
@@ -284,6 +293,7 @@ class Dispatcher:
         self._refusal_log = RateLimitedLog(log)
         self._dropped_counts: dict[str, int] = {}
         self._hello_reply_ok: dict[tuple[bool, int], bytes] = {}
+        self.acceptance = WorkerAcceptance(info.num_spec, metrics.registry)
         # Gauges read when scraped: nothing to keep up to date per frame.
         metrics.sessions.set_function(lambda: len(table))
         metrics.active_slots.set_function(lambda: table.active_slots)
@@ -543,6 +553,7 @@ class Dispatcher:
                 m.request_statuses(np.bincount(status))
         m.drafted(item.n_drafted)
         item.session.drafted += item.n_drafted
+        self.acceptance.step_answered(item)
         m.observe_stage("queue", item.t_start - item.t_queued)
         m.observe_stage("apply", item.apply_s)
         if item.drafting.size:
@@ -626,6 +637,7 @@ class Dispatcher:
     def _dropped(self, s: Session, reason: DropReason, why: str) -> None:
         """After the table let ``s`` go: free its lanes in order with the STEPs, account."""
         self.runner.submit(LaneOp("free", s))
+        self.acceptance.forget(s)
         self.metrics.sessions_dropped.labels(reason=reason.value).inc()
         self._dropped_counts[reason.value] = self._dropped_counts.get(reason.value, 0) + 1
         lvl = logging.WARNING if reason is DropReason.INTERNAL else logging.INFO
@@ -664,6 +676,7 @@ class Dispatcher:
                 "connected": self.connected(s.conn_id),
                 "age_s": round(now - s.created_at, 3), "idle_s": round(now - s.last_active, 3),
                 "steps": s.steps, "rows": s.rows, "drafted_positions": s.drafted,
+                "acceptance": self.acceptance.session_summary(s),
             })
             sessions.append(entry)
         totals: dict[str, Any] = dict(m.totals)
@@ -673,6 +686,7 @@ class Dispatcher:
                                     for rs, n in enumerate(m.request_counts)
                                     if rs in REQ_STATUS_NAMES}
         totals["sessions_dropped"] = dict(self._dropped_counts)
+        totals["acceptance"] = self.acceptance.totals().summary()
         out: dict[str, Any] = {
             "worker_name": i.worker_name, "version": i.version, "contract_version": VERSION,
             "uptime_s": round(now - self.started, 3), "ready": self.ready,

@@ -46,7 +46,14 @@ dspark_worker_cuda_graphs                   gauge      captured draft-step graph
                                                        the eager step)
 dspark_worker_cuda_graph_fallbacks_total    counter    start-up captures or self-checks that
                                                        failed (the worker then drafts eagerly)
+dspark_worker_acceptance_rounds_total       counter    draft blocks the next STEP judged
+dspark_worker_acceptance_drafted_total      counter    position: judged blocks with a draft there
+dspark_worker_acceptance_accepted_total     counter    position: drafts accepted there
+dspark_worker_acceptance_predicted_total    counter    position: confidence survival, summed
 ==========================================  =========  ==========================================
+
+The acceptance families are ``acceptance.WorkerAcceptance``'s (docs/operations.md,
+"Acceptance").
 """
 
 from __future__ import annotations
@@ -58,7 +65,13 @@ from itertools import accumulate
 from typing import Final
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -117,6 +130,9 @@ class Metrics:
     """The worker's collectors on an injected registry, plus the STATS latency windows."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        # No *_created series beside each counter (as most exporters): they double the series
+        # and nothing reads them; restarts come from start_time_seconds. Process-wide.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry
         p = PREFIX
         r = registry
@@ -280,7 +296,9 @@ class _StepFamilies(Collector):
         stages = HistogramMetricFamily(
             f"{p}_stage_duration_seconds",
             "Time per STEP stage: decode (decode, checks, session bookkeeping), queue, apply"
-            " (rows into rings), draft (per batch), encode, step (last byte to reply).",
+            " (rows into rings), draft (per batch), encode, step (last byte to reply),"
+            " to_device (accepted to its batch starting on the device thread), from_device"
+            " (batch done to the STEP answered on the loop).",
             labels=["stage"])
         for stage in STAGES:
             per_bucket, total = list(m.stage_buckets[stage]), m.stage_sums[stage]

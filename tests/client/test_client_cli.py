@@ -78,7 +78,8 @@ def test_every_option_says_its_default() -> None:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name, p in [("", parser), *sub.choices.items()]:
         for action in p._actions:
-            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction
+                          | argparse._VersionAction):
                 continue
             assert action.help and "default" in action.help, (name, action.dest)
 
@@ -257,3 +258,176 @@ def test_normalise_endpoint() -> None:
     assert normalise_endpoint("/run/dspark.sock") == "unix:///run/dspark.sock"
     assert normalise_endpoint("tcp://h:1") == "tcp://h:1"
     assert normalise_endpoint("unix:///x") == "unix:///x"
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_help_of_both_console_scripts_and_every_command(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """What ``dspark-client [COMMAND] --help`` and ``dspark-worker --help`` run: the entry
+    points pyproject names, each exiting 0 with its usage (a stray % in a help text used to
+    end the top-level one in a TypeError)."""
+    from pathlib import Path
+
+    import msgspec.toml
+
+    from dspark_worker import cli as worker_cli
+
+    scripts = msgspec.toml.decode((Path(__file__).parents[2] / "pyproject.toml").read_bytes())[
+        "project"]["scripts"]
+    assert scripts == {"dspark-worker": "dspark_worker.cli:main",
+                       "dspark-client": "dspark_client.cli:main"}
+    commands = _subcommands(build_parser())
+    assert set(commands) == {"ping", "stats", "reset", "bench", "demo"}
+    cases: list[tuple[Any, list[str], str]] = [(worker_cli.main, ["--help"], "dspark-worker")]
+    for flag in ("--help", "-h"):
+        cases.append((main, [flag], "dspark-client"))
+        cases += [(main, [name, flag], f"dspark-client {name}") for name in commands]
+    for entry, argv, prog in cases:
+        with pytest.raises(SystemExit) as info:
+            entry(argv)
+        out = capsys.readouterr().out
+        assert info.value.code == 0, argv
+        assert out.startswith(f"usage: {prog}"), (argv, out[:200])
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "more than 1% of the measured rounds fail" in out
+    assert all(name in out for name in commands)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import dspark_client
+    import dspark_worker
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dspark-client {dspark_client.__version__}"
+    assert dspark_client.__version__ == dspark_worker.__version__
+
+
+def test_an_unknown_option_gets_its_commands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["ping", "--bogus"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.startswith("usage: dspark-client ping")
+    assert "dspark-client ping: error: unrecognized arguments: --bogus" in err
+
+
+def test_connection_errors_say_what_to_check(capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    ep = dead_endpoint()
+    monkeypatch.setenv("DSPARK_ENDPOINT", ep)
+    code, _ = run("--timeout", "0.5", "ping")
+    err = capsys.readouterr().err
+    assert code == 3 and "Connection refused" in err
+    assert f"is dspark-worker running and listening at {ep} (endpoint from DSPARK_ENDPOINT)?" \
+        in err
+    monkeypatch.setenv("DSPARK_ENDPOINT", "http://x:1")
+    code, _ = run("ping")
+    assert code == 2
+    assert "DSPARK_ENDPOINT 'http://x:1': " in capsys.readouterr().err
+
+
+def test_a_metrics_port_is_named_as_such(capsys: pytest.CaptureFixture[str]) -> None:
+    """An HTTP server (the worker's --metrics-listen port) never answers a frame: after the
+    timeout the error says what the endpoint is."""
+    import http.server
+    import threading
+
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        code, _ = run("--endpoint", f"127.0.0.1:{server.server_address[1]}", "--timeout",
+                      "0.5", "ping")
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert code == 3 and "timed out" in err
+    assert "answers HTTP: it is a metrics port (--metrics-listen)" in err
+
+
+def _interrupt_soon(delay: float) -> Any:
+    import os
+    import signal
+    import threading
+
+    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_ctrl_c_in_ping_prints_the_summary(fw: FakeWorker,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    timer = _interrupt_soon(0.5)
+    try:
+        code, out = run("--endpoint", fw.endpoint, "ping", "-c", "1000", "-i", "0.05")
+    finally:
+        timer.cancel()
+    err = capsys.readouterr().err
+    assert code == 130
+    assert "stopping after this PING" in err and "session" not in err
+    assert "pong from" in out and "pings, rtt min/avg/max/mdev" in out.splitlines()[-1]
+
+
+def test_ctrl_c_in_bench_prints_what_was_measured(fw: FakeWorker,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    timer = _interrupt_soon(1.0)
+    try:
+        code, out = run("--endpoint", fw.endpoint, "bench", "--batch", "2", "--warmup", "1",
+                        "--steps", "1000000", "--json")
+    finally:
+        timer.cancel()
+    assert code == 130
+    result = json.loads(out)
+    assert result["interrupted"] and 0 < result["steps"] < 1000000
+    assert result["rtt_ms"]["p50"] > 0
+    assert "printing the rounds measured so far" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_a_command_quietly(fw: FakeWorker) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "dspark_client.cli", "--endpoint",
+                             fw.endpoint, "ping", "-c", "100000", "-i", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"pong from")
+    proc.stdout.close()  # what `| head -1` does once it has its line
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(60) == 141 and err == b"", err
+
+
+def test_stats_summary_shows_acceptance() -> None:
+    from dspark_client.cli import stats_summary
+    from protocol.acceptance import AcceptanceTotals
+
+    t = AcceptanceTotals(3)
+    empty = {"totals": {"acceptance": t.summary()}, "sessions": []}
+    assert "acceptance: no judged draft blocks yet" in stats_summary(empty, "tcp://w:1")
+    # Four blocks: two of 3 drafts, two of 2; accepted 0, 1, 2 and 2 of them.
+    t.drafted_hist[:], t.lengths[:] = [0, 0, 2, 2], [1, 1, 2, 0]
+    t.predicted[:] = [3.2, 1.6, 0.5]
+    acc = t.summary()
+    st = {"totals": {"acceptance": acc},
+          "sessions": [{"label": "abc", "max_slots": 4, "acceptance": acc}]}
+    text = stats_summary(st, "tcp://w:1")
+    assert "acceptance: 4 judged blocks, mean accepted length 2.25 (bonus token incl.)" in text
+    assert "by position 0.75 0.50 0.00; predicted 0.80 0.40 0.25" in text
+    (line,) = [x for x in text.splitlines() if x.strip().startswith("session abc")]
+    assert line.endswith(", accepted length 2.25")

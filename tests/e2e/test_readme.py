@@ -36,9 +36,12 @@ def worker() -> Iterator[WorkerProcess]:
 def env_for(worker: WorkerProcess) -> dict[str, str]:
     assert worker.endpoint is not None
     bin_dir = str(Path(sys.executable).parent)  # where pip put dspark-client
+    # The console script imports this tree, also where the environment's editable install
+    # points at another checkout.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "DSPARK_ENDPOINT": worker.endpoint,
             "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-            "OMP_NUM_THREADS": "1"}
+            "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
 def test_quickstart_commands_run_as_written(worker: WorkerProcess) -> None:
@@ -75,5 +78,9 @@ def test_demo_sampled_and_batched(worker: WorkerProcess) -> None:
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "sampled T=0.8" in proc.stdout and "batch 2" in proc.stdout
+    assert "showing sequence 1 of 2" in proc.stdout
+    # Off a terminal, text from accepted drafts is marked between guillemets.
+    assert "is \u00abmarked\u00bb" in proc.stdout
+    assert proc.stdout.count("\u00ab") == proc.stdout.count("\u00bb") >= 2
     rounds = re.search(r"rounds \(failed\)\s+(\d+) \((\d+)\)", proc.stdout)
     assert rounds is not None and int(rounds.group(1)) > 0 and rounds.group(2) == "0"

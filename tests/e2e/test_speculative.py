@@ -174,3 +174,32 @@ def test_demo_target_threads_stay_few(monkeypatch: pytest.MonkeyPatch) -> None:
         assert run.demo_threads() == want
     assert "--threads" in run.DEMO_WORKER_ARGS
     assert run.DEMO_WORKER_ARGS[run.DEMO_WORKER_ARGS.index("--threads") + 1] == "1"
+
+
+def test_demo_closing_note_agrees_with_its_figures() -> None:
+    from dspark_client.demo.run import closing_note
+
+    assert closing_note(200.0, 100.0).startswith("Speculative decoding ran 2.0x as fast")
+    slower = closing_note(50.0, 100.0)
+    assert slower.startswith("Speculative decoding ran at 0.5x the target-only speed")
+    assert closing_note(100.0, 98.0).startswith("Speculative decoding ran about as fast")
+    for note in (closing_note(200.0, 100.0), slower):
+        assert "no wall-clock speedup" not in note and "toy" in note
+
+
+def test_demo_marks_text_from_accepted_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from dspark_client.demo.run import Marks
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    assert Marks.for_stream(Tty()).drafted("ab") == "\x1b[32mab\x1b[0m"
+    assert Marks.for_stream(io.StringIO()).drafted("ab") == "\u00abab\u00bb"
+    assert Marks.for_stream(Tty()).drafted("") == ""
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert Marks.for_stream(Tty()).drafted("ab") == "\u00abab\u00bb"

@@ -153,3 +153,16 @@ def test_cuda_without_a_gpu_fails_in_one_line() -> None:
         check_device("cuda:0")
     msg = str(info.value)
     assert "\n" not in msg and "use --device cpu" in msg and "--device cuda:0" in msg
+
+
+def test_a_bad_value_names_where_it_came_from(tmp_path: Path) -> None:
+    """A value from the file is blamed on the file, one from a flag on the flag, in words."""
+    path = write(tmp_path, 'window = "big"\nmax_slots = 8')
+    with pytest.raises(ConfigError) as e:
+        build_config(path, {"max_slots": 16})
+    text = str(e.value)
+    assert text.startswith(f"config file {path!r}: window: 'big' is not an integer")
+    assert "command line" not in text and "Expected" not in text
+    with pytest.raises(ConfigError) as e:
+        build_config(write(tmp_path, "max_slots = 8"), {"window": 0})
+    assert str(e.value).startswith("--window: window: 0 is not a positive integer")

@@ -88,6 +88,9 @@ def test_start_time_and_memory_gauges(worker: ThreadWorker) -> None:
     assert time.time() - 3600 < start <= time.time()
     assert value(s, "dspark_worker_resident_memory_bytes") > 16 * 2**20
     assert not [k for k in s if k[0].startswith("dspark_worker_device_memory")]
+    # No *_created series at all (they would double the series and nothing reads them).
+    assert "_created" not in text
+    assert value(s, "dspark_worker_connections_total") >= 0
 
 
 def test_device_memory_gauges_are_read_when_scraped() -> None:
@@ -263,3 +266,46 @@ def test_every_torch_call_runs_on_one_device_thread(drafter: Any,
     threads = set().union(*seen.values())
     assert len(threads) == 1, seen
     assert threads != {w._thread.ident}  # not the event loop's thread
+
+
+def test_acceptance_per_session_and_in_total(worker: ThreadWorker, drafter: Any) -> None:
+    """A block the next STEP continues is judged (2 of N accepted here); a session replaced by
+    a HELLO of the same client name starts from nothing in STATS, the worker's totals keep it."""
+    import json
+
+    d = drafter
+    with worker.connect() as c:
+        assert c.hello(make_hello(d, client_name="eng")).status == ST_OK
+        entry = ReqEntry(slot=0, generation=1, anchor_pos=10, anchor_token=3, n_rows=10,
+                         flags=RF_NEED_DRAFT)
+        rep = c.step([entry], tap_rows(d.row_bytes, 0, 1, 0, 10), d.row_bytes)
+        assert rep.status == ST_OK
+        conf = rep.step().confidence[0].astype(np.float64)  # the block judged below
+        # The anchor and two accepted drafts committed: the new anchor is 10 + 2 + 1.
+        entry = ReqEntry(slot=0, generation=1, anchor_pos=13, anchor_token=5, n_rows=3,
+                         flags=RF_NEED_DRAFT)
+        assert c.step([entry], tap_rows(d.row_bytes, 0, 1, 10, 3), d.row_bytes).status == ST_OK
+        st = json.loads(c.stats(c.session).body)
+        (mine,) = st["sessions"]
+        acc = mine["acceptance"]
+        assert acc["rounds"] == 1 and acc["accepted_drafts"] == 2
+        assert acc["accepted_by_position"] == [1, 1] + [0] * (d.num_spec - 2)
+        assert acc["drafted_by_position"] == [1] * d.num_spec
+        assert acc["mean_accepted_length"] == 3.0
+        _, text = worker.scrape()
+        s = samples(text)
+        assert value(s, "dspark_worker_acceptance_rounds_total") == 1
+        assert value(s, "dspark_worker_acceptance_accepted_total", position="1") == 1
+        assert value(s, "dspark_worker_acceptance_accepted_total", position="2") == 0
+        assert value(s, "dspark_worker_acceptance_drafted_total",
+                     position=str(d.num_spec - 1)) == 1
+        predicted = [value(s, "dspark_worker_acceptance_predicted_total", position=str(j))
+                     for j in range(d.num_spec)]
+        assert predicted == pytest.approx(np.cumprod(conf).tolist(), rel=1e-5)
+    with worker.connect() as c2:  # the engine restarted: a new session, the same name
+        assert c2.hello(make_hello(d, client_name="eng")).status == ST_OK
+        st = json.loads(c2.stats(c2.session).body)
+        (mine,) = st["sessions"]
+        assert mine["acceptance"]["rounds"] == 0
+        assert mine["acceptance"]["mean_accepted_length"] is None
+        assert st["totals"]["acceptance"]["rounds"] == 1

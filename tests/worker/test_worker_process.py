@@ -87,13 +87,52 @@ def test_defaults_with_no_options(drafter: Any) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--checkpoint", "/nonexistent/ckpt"], "cannot load the drafter"),
+    (["--checkpoint", "/nonexistent/ckpt"], "cannot start: --checkpoint /nonexistent/ckpt:"
+                                            " does not exist"),
+    (["--target-checkpoint", "/nonexistent/target"],  # checked also when it is not needed
+     "cannot start: --target-checkpoint /nonexistent/target: does not exist"),
     (["--auth-secret-file", "/nonexistent/secret"], "auth_secret_file"),
 ])
 def test_startup_errors_exit_1(args: list[str], message: str) -> None:
     with pytest.raises(WorkerStartError) as e:
         start_worker(*args, timeout=60)
     assert "exited with 1" in str(e.value) and message in str(e.value)
+    if "checkpoint" in message:  # said before the drafter (and torch) loads
+        assert "loading drafter" not in str(e.value)
+
+
+def test_a_checkpoint_error_is_said_in_words(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(WorkerStartError) as e:
+        start_worker("--checkpoint", str(tmp_path), timeout=60)
+    text = str(e.value)
+    assert f"cannot load the drafter ({tmp_path}): {tmp_path}/config.json: no config.json" \
+        in text
+    assert "CheckpointError" not in text
+
+
+def test_a_second_worker_on_the_metrics_port_is_told_the_flag() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(WorkerStartError) as e:
+            start_worker("--metrics-listen", f"127.0.0.1:{port}", "--no-warmup", timeout=60)
+    assert "address already in use; another worker on this host? give this one its own" \
+        " --metrics-listen" in str(e.value)
+
+
+def test_a_clean_exit_removes_the_port_file() -> None:
+    w = start_worker("--no-warmup", timeout=60)
+    port_file = w.port_file
+    assert port_file.exists()
+    proc = w.proc
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    assert not port_file.exists()
+    w.stop()
 
 
 def test_bad_option_exits_2() -> None:

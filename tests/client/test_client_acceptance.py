@@ -1,0 +1,254 @@
+"""Draft acceptance against a known engine: a real worker process and a real client on
+loopback, an engine loop that accepts exactly the drafts it chooses, and both sides' counters
+scraped over HTTP (the worker's /metrics, the client's collector) and read from STATS. A
+reconnect, a new generation, a release and a slot left out of a round count nothing."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from test_client_metrics import DRAFTER, parsed, scrape, value
+
+import dspark_client as dc
+from protocol import wire
+from protocol.acceptance import Acceptance
+from protocol.messages import ENTRY_DTYPE
+from tests.support.worker_proc import WorkerProcess, start_worker
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[WorkerProcess]:
+    with start_worker("--device", "cpu", "--window", "64", "--max-slots", "4",
+                      "--max-total-slots", "4", "--max-rows-per-step", "256") as w:
+        yield w
+
+
+class Want:
+    """The counts a known engine expects, kept by hand (by position, arrays of N)."""
+
+    def __init__(self, n: int) -> None:
+        self.rounds = self.verified_rounds = 0
+        self.accepted = np.zeros(n, np.int64)
+        self.drafted = np.zeros(n, np.int64)
+        self.verified = np.zeros(n, np.int64)
+        self.predicted = np.zeros(n, np.float64)
+        self.lengths = np.zeros(n + 1, np.int64)
+
+    @property
+    def accepted_drafts(self) -> int:
+        return int(self.accepted.sum())
+
+
+class KnownEngine:
+    """Rank 0 of an engine whose target accepts exactly what the test says (rows are zeros:
+    the worker checks no row values). ``want`` is what the blocks the next STEP judges add up
+    to, kept by the rule of ``protocol.acceptance``, written out here by hand."""
+
+    def __init__(self, rounds: dc.DraftRounds, row_bytes: int, num_spec: int) -> None:
+        self.rounds, self.row_bytes, self.N = rounds, row_bytes, num_spec
+        self.gen: dict[int, int] = {}
+        self.anchor: dict[int, int] = {}
+        self.fresh: dict[int, int] = {}
+        self.k: dict[int, int] = {}
+        self.surv: dict[int, np.ndarray] = {}
+        self.want = Want(num_spec)
+        self.verified: dict[int, int] = {}
+
+    def admit(self, slot: int, prompt: int) -> None:
+        self.gen[slot] = self.gen.get(slot, 0) + 1
+        self.anchor[slot] = self.fresh[slot] = prompt
+        self.k[slot] = 0
+
+    def accept(self, slot: int, a: int, *, judged: bool = True,
+               verified: int | None = None) -> None:
+        """The target verified the slot's drafts and accepted the first ``a``, then its own
+        token: ``a + 1`` rows are committed and the anchor moves past them. ``judged``: the
+        slot's next STEP continues its chain."""
+        k = self.k[slot]
+        assert 0 <= a <= k
+        if judged:
+            w = self.want
+            w.rounds += 1
+            w.accepted[:a] += 1
+            w.drafted[:k] += 1
+            w.predicted[:k] += self.surv[slot]
+            w.lengths[a] += 1
+            if verified is not None:
+                w.verified_rounds += 1
+                w.verified[:min(verified, k)] += 1
+        if verified is not None:
+            self.verified[slot] = verified
+        self.anchor[slot] += a + 1
+        self.fresh[slot] += a + 1
+
+    def run(self, slots: list[int], *, n_out: dict[int, int] | None = None,
+            release: tuple[int, ...] = ()) -> dc.RoundResult:
+        reqs = [dc.SlotRequest(slot=s, generation=self.gen[s], anchor_pos=self.anchor[s],
+                               anchor_token=3 + s,
+                               rows=np.zeros((self.fresh[s], self.row_bytes), np.uint8),
+                               n_out=(n_out or {}).get(s, self.N)) for s in slots]
+        if self.verified:
+            dc.record_verified(self.rounds, list(self.verified), list(self.verified.values()))
+            self.verified = {}
+        res = self.rounds.run(reqs, release=release)
+        assert res.ok, res.reason
+        for i, s in enumerate(slots):
+            self.fresh[s] = 0
+            k = self.k[s] = int(res.num_drafted[i])
+            self.surv[s] = np.cumprod(res.confidence[i, :k].astype(np.float32))
+        return res
+
+
+def scrape_worker(worker: WorkerProcess) -> dict[Any, float]:
+    assert worker.metrics_url is not None
+    with urllib.request.urlopen(worker.metrics_url + "/metrics", timeout=10) as r:
+        return parsed(r.read().decode())
+
+
+def by_position(samples: dict[Any, float], name: str, n: int, **labels: str) -> list[float]:
+    return [value(samples, name, position=str(j), **labels) for j in range(n)]
+
+
+def test_both_sides_count_exactly_what_a_known_engine_accepted(worker: WorkerProcess) -> None:
+    assert worker.endpoint is not None
+    hello = dc.hello_from_checkpoint(DRAFTER, window=64, max_slots=4, client_name="acceptance",
+                                     max_rows_per_step=256)
+    n = hello.num_spec
+    client = dc.RemoteDraftClient(dc.RemoteConfig(endpoint=worker.endpoint, timeout_ms=10_000,
+                                                  backoff_ms=10), hello)
+    registry = CollectorRegistry()
+    registry.register(dc.prometheus_collector(client))
+    before = scrape_worker(worker)
+    try:
+        assert client.wait_ready(30.0), client.last_error
+        rounds = dc.DraftRounds(client)
+        eng = KnownEngine(rounds, hello.row_bytes, n)
+        for slot, prompt in ((0, 10), (1, 70), (2, 1)):  # below W, above W, the first position
+            eng.admit(slot, prompt)
+        eng.run([0, 1, 2])
+        for r in range(6):  # every accepted length 0..k comes up, some blocks shorter than N
+            for s in (0, 1, 2):
+                eng.accept(s, (r + 2 * s) % (eng.k[s] + 1),
+                           verified=eng.k[s] - (r % 2) if s == 0 else None)
+            eng.run([0, 1, 2], n_out={1: 1 + r % n} if r % 3 == 1 else None)
+        # Slot 2 is left out of a round (its next rows span two rounds): not judged.
+        for s in (0, 1):
+            eng.accept(s, eng.k[s])
+        eng.accept(2, 1, judged=False)
+        eng.run([0, 1])
+        eng.accept(2, 0, judged=False)  # the target-only round of the slot left out
+        for s in (0, 1):
+            eng.accept(s, 1)
+        eng.run([0, 1, 2])
+        # Slot 1 takes a new request (a new generation): its old block counts nothing.
+        eng.accept(0, 2)
+        eng.accept(2, eng.k[2])
+        eng.admit(1, 30)
+        eng.run([0, 1, 2])
+        # A reconnect: every live slot resyncs (RF_RESET), so no block counts.
+        for s in (0, 1, 2):
+            eng.accept(s, 1, judged=False)
+        epoch = client.epoch
+        client.mark_failed("the test drops the connection", backoff=False)
+        assert client.wait_ready(30.0) and client.epoch == epoch + 1
+        res = eng.run([0, 1, 2])
+        assert res.resynced == 3
+        for s in (0, 1, 2):
+            eng.accept(s, min(3, eng.k[s]))
+        eng.run([0, 1, 2])
+        # Slot 0 finishes (RF_RELEASE): its last block counts nothing.
+        eng.accept(0, 1, judged=False)
+        eng.accept(1, 0)
+        eng.accept(2, 2)
+        eng.run([1, 2], release=(0,))
+        text = scrape(registry)
+        as_dict = dc.client_metrics(client)
+        status, body = client.simple_request(wire.OP_STATS)
+        assert status == wire.ST_OK
+        stats = json.loads(body)
+    finally:
+        client.close()
+    want = eng.want
+    assert want.rounds > 20 and 0 < want.accepted_drafts < want.drafted.sum()
+    assert want.lengths[0] and want.lengths[n] and want.verified_rounds
+    after = scrape_worker(worker)
+    s = parsed(text)
+    p, q = "dspark_client_acceptance_", "dspark_worker_acceptance_"
+    # The engine's side.
+    assert value(s, p + "rounds_total") == want.rounds
+    assert by_position(s, p + "accepted_total", n) == want.accepted.tolist()
+    assert by_position(s, p + "drafted_total", n) == want.drafted.tolist()
+    assert by_position(s, p + "predicted_total", n) == pytest.approx(want.predicted, rel=1e-5)
+    assert value(s, p + "verified_rounds_total") == want.verified_rounds
+    assert by_position(s, p + "verified_total", n) == want.verified.tolist()
+    assert as_dict[p + "accepted_total"] == {str(j): v for j, v in
+                                             enumerate(want.accepted.tolist())}
+    assert value(s, "dspark_client_steps_ok_total") == value(s, "dspark_client_steps_total")
+    # The worker's side (a worker of this test's own): the same blocks, counted from the STEPs
+    # it applied.
+    assert value(after, q + "rounds_total") - value(before, q + "rounds_total") == want.rounds
+    for name, wanted in (("accepted", want.accepted), ("drafted", want.drafted)):
+        got = np.subtract(by_position(after, f"{q}{name}_total", n),
+                          by_position(before, f"{q}{name}_total", n))
+        assert got.tolist() == wanted.tolist(), name
+    predicted = np.subtract(by_position(after, q + "predicted_total", n),
+                            by_position(before, q + "predicted_total", n))
+    assert predicted == pytest.approx(want.predicted, rel=1e-5)
+    # And per session in STATS.
+    (mine,) = [e for e in stats["sessions"] if e.get("session") == client.session]
+    acc = mine["acceptance"]
+    assert acc["rounds"] == want.rounds and acc["accepted_drafts"] == want.accepted_drafts
+    assert acc["accepted_by_position"] == want.accepted.tolist()
+    assert acc["mean_accepted_length"] == pytest.approx(1 + want.accepted_drafts / want.rounds,
+                                                        abs=1e-4)
+    assert acc["acceptance_by_position"][0] == pytest.approx(
+        want.accepted[0] / want.drafted[0], abs=1e-4)
+    assert stats["totals"]["acceptance"]["rounds"] == want.rounds
+
+
+def test_a_chain_is_judged_only_by_the_slots_very_next_step() -> None:
+    """The rule alone, on hand-made STEPs: accepted = new anchor - old anchor - 1 within
+    0..k; anything else, or a gap, a reset, a release or another generation, counts nothing."""
+    acc = Acceptance(max_slots=4, num_spec=3)
+    conf = np.array([[0.5, 0.5, 0.5]] * 4, np.float32)
+
+    def step(slots: list[int], anchors: list[int], *, gen: int = 1, flags: int = 0,
+             k: int = 3) -> None:
+        m = len(slots)
+        entries = np.zeros(m, ENTRY_DTYPE)
+        entries["slot"], entries["generation"] = slots, gen
+        entries["anchor_pos"], entries["flags"] = anchors, flags
+        acc.observe(entries, np.full(m, k), conf[:m])
+
+    step([0, 1, 2, 3], [10, 10, 10, 10])
+    step([0, 1, 2, 3], [11, 14, 15, 13])  # accepted 0, 3 (all), out of range (4), 2
+    t = acc.totals
+    assert t.rounds == 3 and t.accepted.tolist() == [2, 2, 1]
+    assert t.lengths.tolist() == [1, 0, 1, 1]
+    assert t.drafted.tolist() == [3, 3, 3]
+    acc.flush()  # the prefix survival of judged blocks is summed in batches
+    assert t.predicted.tolist() == pytest.approx([1.5, 0.75, 0.375])
+    step([0], [12])  # slots 1..3 left out; slot 0 judged (0 accepted)
+    step([0, 1, 2, 3], [13, 15, 16, 14])  # slot 0 judged again, the others not
+    assert t.rounds == 5 and t.lengths.tolist() == [3, 0, 1, 1]
+    step([0, 1], [14, 16], flags=wire.RF_RESET)
+    step([0, 1], [15, 17], gen=2)
+    step([0, 1], [16, 18], gen=2, flags=wire.RF_RELEASE)
+    assert t.rounds == 5
+    step([0, 1], [17, 19], gen=3)  # a new request after the release
+    assert t.rounds == 5
+    acc.record_verified([0, 1], [2, 9])  # 9: more than drafted, taken as all 3
+    step([0, 1], [19, 20], gen=3)
+    assert t.rounds == 7 and t.verified_rounds == 2 and t.verified.tolist() == [2, 2, 1]
+    step([0, 1], [20, 21], gen=3)  # no report this time
+    assert t.rounds == 9 and t.verified_rounds == 2
+    with pytest.raises(ValueError, match=r"slot 4 is not in 0\.\.3"):
+        acc.record_verified([4], [1])
+    step([0, 1, 9], [21, 23, 5], gen=3)  # slot 9 is past max_slots: left out, no error
+    assert t.rounds == 11
