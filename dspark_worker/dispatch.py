@@ -129,6 +129,10 @@ from .shm import ShmOps
 
 log = logging.getLogger(__name__)
 
+# A STATS body for connections without a session is reused for this long at most (while no
+# other frame came): a peer pipelining STATS gets the same bytes, not a fresh JSON each time.
+STATS_CACHE_S = 0.25
+
 Buffer = bytes | bytearray | memoryview
 
 
@@ -282,6 +286,10 @@ class Dispatcher:
         # Section 13: shared-memory rows regions (max_region_bytes 0: none offered).
         self.shm = shm if shm is not None else ShmOps(0)
         self._refusal_log = RateLimitedLog(log)
+        # Bumped by every frame but PING and STATS, every STEP answered and every session
+        # dropped: a cached STATS body is reused only while it stays the same.
+        self.state_version = 0
+        self._stats_cache: tuple[tuple[int, bool, bool], float, bytes] | None = None
         self._dropped_counts: dict[str, int] = {}
         self._hello_reply_ok: dict[tuple[bool, int], bytes] = {}
         # Gauges read when scraped: nothing to keep up to date per frame.
@@ -307,6 +315,8 @@ class Dispatcher:
                                     field="status", value=h.status, limit=0)
             if self.draining and h.op in (OP_HELLO, OP_STEP):
                 raise DrainingError("the worker is shutting down; connect to another worker")
+            if h.op not in (OP_PING, OP_STATS):
+                self.state_version += 1
             if fr.discarded:  # section 3: the connection's session is gone; the body was dropped
                 raise NoSessionError(
                     f"session {h.session:#010x} is not held on this connection (its session is"
@@ -511,6 +521,7 @@ class Dispatcher:
     def complete(self, item: StepItem) -> None:
         """The runner is done with a STEP (loop thread): reply, account, recycle its buffer."""
         t_back = time.perf_counter()
+        self.state_version += 1
         conn, h, m = item.conn, item.header, self.metrics
         conn.release_storage(item.storage)
         item.storage = None
@@ -577,7 +588,16 @@ class Dispatcher:
         if h.session:
             s = self.table.bound(h.session, conn.conn_id, h.seq)
             self.table.touch(s, h.seq, self.clock())
-        return self._ok(h, msgspec.json.encode(self.stats(viewer=conn.conn_id)))
+        if conn.session_id:  # its own sessions' entries show their ids: made for it alone
+            return self._ok(h, msgspec.json.encode(self.stats(viewer=conn.conn_id)))
+        # The view of a connection that never held a session is the same for all of them: a
+        # STATS repeated while nothing else happened is answered from the last one.
+        now = self.clock()
+        key = (self.state_version, self.draining, self.ready)
+        cached = self._stats_cache
+        if cached is None or cached[0] != key or now - cached[1] >= STATS_CACHE_S:
+            cached = self._stats_cache = (key, now, msgspec.json.encode(self.stats()))
+        return self._ok(h, cached[2])
 
     def _reset(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
         h = fr.header
@@ -625,6 +645,7 @@ class Dispatcher:
 
     def _dropped(self, s: Session, reason: DropReason, why: str) -> None:
         """After the table let ``s`` go: free its lanes in order with the STEPs, account."""
+        self.state_version += 1
         self.runner.submit(LaneOp("free", s))
         self.metrics.sessions_dropped.labels(reason=reason.value).inc()
         self._dropped_counts[reason.value] = self._dropped_counts.get(reason.value, 0) + 1

@@ -5,7 +5,8 @@
   receives straight into ``protocol.framing.FrameDecoder``'s memory: headers into a scratch
   buffer, each body into storage from the ``BufferPool`` (pinned on CUDA), so a rows region is
   never re-assembled from chunks. Frames of one connection are answered one at a time, in order
-  (the contract allows one request in flight); a few more are buffered, then reading pauses.
+  (the contract allows one request in flight); a few more are buffered, then reading pauses,
+  and at most ``FRAMES_PER_TURN`` are answered per turn of the event loop.
   Replies are written from one buffer per connection, reused while the transport holds no part
   of it. A wrong magic closes the connection; a body over its limit is answered ST_BAD_FRAME
   and closes it; a frame that stays incomplete past the partial-frame deadline closes it.
@@ -72,6 +73,10 @@ RCVLOWAT_CAP = 1 << 20
 # Ops that act on the header's session: on a connection whose session is gone, one of them
 # with a body over the sessionless limit is answered ST_NO_SESSION unbuffered (section 3).
 SESSION_OPS = frozenset({OP_STEP, OP_RESET, OP_GOODBYE, OP_SHM_ATTACH})
+# Frames of one connection answered in one turn of the event loop; the rest wait for the next
+# turn (and reading pauses meanwhile): a peer pipelining thousands of cheap frames in one
+# receive cannot hold the loop while other connections and new ones wait.
+FRAMES_PER_TURN = 4
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -99,6 +104,7 @@ class Connection(asyncio.BufferedProtocol):
         self.close_reason = "peer"
         self.read_paused = False
         self.write_paused = False
+        self._pump_soon = False  # a _pump is scheduled for the next loop turn
         self._reply_buf: bytearray | None = None
         self._partial_since: float | None = None
         self._partial_timer: asyncio.TimerHandle | None = None
@@ -272,7 +278,14 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- inner work -------------------------------------------------------------------------------
     def _pump(self) -> None:
+        self._pump_soon = False
+        budget = FRAMES_PER_TURN
         while self.pending and not self.busy and not self.closing and not self.write_paused:
+            if budget == 0:  # a pipelining peer waits its turn: the loop serves everyone else
+                self._pump_soon = True
+                asyncio.get_running_loop().call_soon(self._pump_later)
+                break
+            budget -= 1
             fr, t_arrival = self.pending.popleft()
             reply = self.dispatcher.handle(self, fr, t_arrival)
             if self.shm.fds:
@@ -290,6 +303,10 @@ class Connection(asyncio.BufferedProtocol):
                 and not self.server.draining and self._fd_rx is None):
             self.read_paused = False
             self.transport.resume_reading()
+
+    def _pump_later(self) -> None:
+        if self._pump_soon:
+            self._pump()
 
     def _write(self, data: Buffer) -> None:
         if self.transport is None or self.closing:
@@ -511,6 +528,7 @@ class WorkerServer:
                               f" {self.max_connections}")
             return False
         self.connections[conn.conn_id] = conn
+        self.dispatcher.state_version += 1
         self.metrics.connections_total.inc()
         self.metrics.connections.set(len(self.connections))
         log.debug("connection %d from %s (%s)", conn.conn_id, conn.peer, conn.kind)
@@ -519,6 +537,7 @@ class WorkerServer:
     def unregister(self, conn: Connection, reason: str) -> None:
         if self.connections.pop(conn.conn_id, None) is None:
             return
+        self.dispatcher.state_version += 1
         self.metrics.connections.set(len(self.connections))
         self.metrics.connections_closed.labels(reason=reason).inc()
         log.debug("connection %d from %s closed: %s", conn.conn_id, conn.peer, reason)

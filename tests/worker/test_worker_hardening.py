@@ -459,3 +459,20 @@ def test_ping_with_a_session_keeps_the_stream(worker: ThreadWorker, drafter: Any
         c.send_raw(frame(OP_PING, c.next_seq(), c.session, b"x" * 10_000))
         assert c.recv().status == ST_BAD_FRAME  # refused by dispatch, stream aligned
         assert c.ping(c.session).status == ST_OK
+
+
+def test_repeated_stats_share_one_body_until_something_changes(worker: ThreadWorker,
+                                                              drafter: Any) -> None:
+    """STATS from a connection without a session is answered from the last body while no
+    other frame came (a pipelined flood costs no JSON per frame); a STEP makes it fresh."""
+    d = drafter
+    with worker.connect() as eng, worker.connect() as tool:
+        assert eng.hello(make_hello(d, client_name="stats-cache")).status == ST_OK
+        first = tool.stats().body
+        assert all(tool.stats().body == first for _ in range(20))
+        _fill_and_draft(eng, d)
+        after = msgspec.json.decode(tool.stats().body)
+        assert after["totals"]["steps"] > msgspec.json.decode(first)["totals"]["steps"]
+        # the engine's own connection sees its session's id: never a shared body
+        mine = msgspec.json.decode(eng.stats(session=0).body)
+        assert [s.get("session") for s in mine["sessions"]] == [eng.session]
