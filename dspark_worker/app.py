@@ -247,7 +247,8 @@ class WorkerApp:
                                  drafter_identity=info.drafter_identity.hex(),
                                  markov_identity=info.markov_identity.hex()).set(1)
         table = SessionTable(max_sessions=c.max_sessions, lane_capacity=c.max_total_slots,
-                             idle_s=c.session_idle_s)
+                             idle_s=c.session_idle_s, unused_idle_s=c.handshake_timeout_s,
+                             max_per_peer=c.sessions_per_peer)
         holder: dict[str, Dispatcher] = {}
         self.runner = Runner(d, self.pool, window=c.window,
                              complete=lambda item: holder["d"].complete(item),
@@ -355,6 +356,7 @@ class WorkerApp:
         c = self.config
         return {"max_slots": c.max_slots, "max_rows_per_step": c.max_rows_per_step,
                 "max_sessions": c.max_sessions, "max_total_slots": c.max_total_slots,
+                "max_sessions_per_peer": c.sessions_per_peer,
                 "max_connections": c.max_connections,
                 "max_frame_bytes": frame_limit(c, row_bytes),
                 "max_shm_region_bytes": c.max_shm_region_bytes if c.unix else 0,
@@ -401,7 +403,9 @@ class WorkerApp:
         os.replace(tmp, path)  # readers never see half a file
 
     async def _expire_loop(self) -> None:
-        interval = min(EXPIRY_SCAN_MAX_S, max(self.config.session_idle_s / 10, 0.05))
+        c = self.config
+        interval = min(EXPIRY_SCAN_MAX_S, max(min(c.session_idle_s, c.handshake_timeout_s) / 10,
+                                              0.05))
         while True:
             await asyncio.sleep(interval)
             if self.dispatcher is not None:

@@ -74,6 +74,11 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
     ("max_sessions", "N", int,
      f"most sessions held at once; a HELLO over it gets ST_BUSY. Default:"
      f" {DEFAULT_MAX_SESSIONS}."),
+    ("max_sessions_per_peer", "N", int,
+     "most sessions one peer host (all Unix connections together) may hold; a HELLO over"
+     " it gets ST_BUSY. Set it where the port is reachable by hosts other than the engines'"
+     " and there is no shared secret, so one host cannot take every session. Default: 0 ="
+     " max_sessions (no limit of its own)."),
     ("max_total_slots", "N", int,
      f"window rings reserved at start for all sessions together; a HELLO whose max_slots"
      f" does not fit in what is free gets ST_BUSY. Default: {DEFAULT_MAX_TOTAL_SLOTS}."),
@@ -95,7 +100,8 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
      f" {DEFAULT_PARTIAL_FRAME_TIMEOUT_S:g}."),
     ("handshake_timeout_s", "SECONDS", float,
      f"a connection that holds no session and sends no frame for this long is closed (from"
-     f" connect until its HELLO; a health checker's PING or STATS restarts the clock)."
+     f" connect until its HELLO; a health checker's PING or STATS restarts the clock); and"
+     f" a session that never sent a STEP is dropped this long after its connection went."
      f" Default: {DEFAULT_HANDSHAKE_TIMEOUT_S:g}."),
     ("connection_idle_s", "SECONDS", float,
      f"a connection whose session is gone (expired, replaced, HELLOed on another"

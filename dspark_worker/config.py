@@ -83,6 +83,9 @@ SESSIONLESS_MAX_BODY_BYTES: Final = 4 << 10
 # clears its predecessor's state, 6.2), except one whose connection is open and that had a frame
 # this recently: that is a second live engine using the same name, and both are served.
 LIVE_SESSION_S: Final = 5.0
+# Connections without a session one peer host may hold; its next one closes its oldest. A
+# health checker or a tool needs one or two; an engine's connection holds a session.
+MAX_SESSIONLESS_PER_PEER: Final = 16
 
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEVICES: Final = ("auto", "cpu", "cuda")
@@ -118,6 +121,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_slots: int = DEFAULT_MAX_SLOTS
     max_rows_per_step: int = DEFAULT_MAX_ROWS_PER_STEP
     max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_sessions_per_peer: int = 0  # 0: max_sessions
     max_total_slots: int = DEFAULT_MAX_TOTAL_SLOTS
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_frame_bytes: int = 0  # 0: the largest legal STEP for max_slots and max_rows_per_step
@@ -145,6 +149,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"{field}: {value!r} {why}", field=field, value=value)
 
     @property
+    def sessions_per_peer(self) -> int:
+        return min(self.max_sessions_per_peer or self.max_sessions, self.max_sessions)
+
+    @property
     def resolved_worker_name(self) -> str:
         return self.worker_name or default_worker_name()
 
@@ -168,6 +176,10 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
     positive_int("max_slots", 0xFFFFFFFF)
     positive_int("max_rows_per_step", 0xFFFFFFFF)
     positive_int("max_sessions")
+    if isinstance(c.max_sessions_per_peer, bool) or not isinstance(c.max_sessions_per_peer, int) \
+            or c.max_sessions_per_peer < 0:
+        out.append(("max_sessions_per_peer", c.max_sessions_per_peer,
+                    "is not a non-negative integer (0: max_sessions)"))
     positive_int("max_total_slots")
     positive_int("max_connections")
     positive_int("shed_queue_steps")

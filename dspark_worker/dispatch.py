@@ -389,7 +389,8 @@ class Dispatcher:
         def live(other: Session) -> bool:  # another engine's, in use: not a dead predecessor
             return self.connected(other.conn_id) and now - other.last_active < LIVE_SESSION_S
 
-        result = self.table.hello(h.session, h.seq, hello, conn.conn_id, now, live)
+        result = self.table.hello(h.session, h.seq, hello, conn.conn_id, now, live,
+                                  conn.peer_host)
         for s, reason in result.dropped:
             self._dropped(s, reason, f"by session {h.session:#010x} from {conn.peer}")
         for other in result.kept:
@@ -633,10 +634,11 @@ class Dispatcher:
 
     # -- sessions ---------------------------------------------------------------------------------
     def expire_idle(self) -> int:
-        gone = self.table.expire(self.clock())
+        gone = self.table.expire(self.clock(), self.connected)
         for s in gone:
             self._dropped(s, DropReason.EXPIRED,
-                          f"after {self.table.idle_s:.0f} s without a frame")
+                          f"after {self.table.idle_s:.0f} s without a frame" if s.steps else
+                          f"no STEP and no connection for {self.table.unused_idle_s:g} s")
         return len(gone)
 
     def _drop(self, s: Session, reason: DropReason, why: str) -> None:

@@ -19,8 +19,8 @@
   engine HELLOs again instead of being cut off.
 * ``WorkerServer`` accepts on TCP (``TCP_NODELAY``) and Unix listeners (sockets bound before the
   drafter loads, see ``bind_tcp``), enforces the connection limit, closes connections that hold
-  no session and stay silent (``handshake_timeout_s``, ``connection_idle_s``) and drains on
-  shutdown.
+  no session and stay silent (``handshake_timeout_s``, ``connection_idle_s``), pushes those out
+  first when a peer holds too many of them or the limit is reached, and drains on shutdown.
 * ``MetricsServer`` is a small HTTP/1.0 server for ``/metrics`` (Prometheus text format),
   ``/healthz`` (readiness: 200 once the drafter is loaded and warm, 503 before and while
   draining) and ``/livez`` (liveness: 200 while the process serves, 503 once its runner died).
@@ -53,6 +53,7 @@ from .config import (
     DEFAULT_CONNECTION_IDLE_S,
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     MAX_PENDING_FRAMES_PER_CONNECTION,
+    MAX_SESSIONLESS_PER_PEER,
     SESSIONLESS_MAX_BODY_BYTES,
 )
 from .dispatch import Buffer, Dispatcher, RateLimitedLog
@@ -517,7 +518,36 @@ class WorkerServer:
                 await self._sweeper
             self._sweeper = None
 
+    def _make_room(self, conn: Connection) -> None:
+        """Connections without a session go first (section 11): a new connection from a peer
+        that holds ``MAX_SESSIONLESS_PER_PEER`` of them closes that peer's oldest, and at the
+        connection limit a new one closes the oldest of all; so PINGs that keep idle
+        connections open cannot keep an engine out. Connections that hold a session, or are
+        busy with a frame, are never pushed out."""
+        idle = [c for c in self.connections.values()
+                if not c.closing and not c.busy and not c.pending and not c.has_session]
+        mine = [c for c in idle if c.peer_host == conn.peer_host]
+        victim: Connection | None = None
+        if len(mine) >= MAX_SESSIONLESS_PER_PEER:
+            victim = min(mine, key=lambda c: c.conn_id)
+            why = (f"{len(mine)} connections without a session from {conn.peer_host}, the limit"
+                   f" per peer is {MAX_SESSIONLESS_PER_PEER}")
+        elif len(self.connections) >= self.max_connections and idle:
+            victim = min(idle, key=lambda c: c.conn_id)
+            why = (f"{len(self.connections)} connections open, the limit is"
+                   f" {self.max_connections}")
+        if victim is None:
+            return
+        self._log.warning(("pushed_out", victim.peer_host),
+                          f"connections without a session pushed out from {victim.peer_host}",
+                          "closing connection from %s (no session) for a new one from %s: %s",
+                          victim.peer, conn.peer, why)
+        victim._close("pushed_out")
+        self.unregister(victim, "pushed_out")  # its slot is free now, before the close lands
+
     def register(self, conn: Connection) -> bool:
+        if not self.draining:
+            self._make_room(conn)
         if self.draining or len(self.connections) >= self.max_connections:
             self.metrics.connections_refused.inc()
             self._log.warning(("refused", conn.peer_host),

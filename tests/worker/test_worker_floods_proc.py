@@ -5,6 +5,7 @@ an engine drafts and a new connection must be served within a stated bound."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -15,10 +16,10 @@ import numpy as np
 import pytest
 from worker_harness import Client, make_hello, tap_rows
 
-from protocol.constants import OP_STATS, RF_NEED_DRAFT, ST_OK
+from protocol.constants import OP_PING, OP_STATS, RF_NEED_DRAFT, ST_BUSY, ST_OK
 from protocol.framing import frame
 from protocol.messages import ReqEntry
-from tests.support.worker_proc import WorkerProcess, start_worker
+from tests.support.worker_proc import WorkerProcess, start_worker, worker_stats
 
 SMALL = ("--window", "32", "--max-slots", "16", "--max-total-slots", "96",
          "--max-rows-per-step", "256", "--no-warmup")
@@ -116,4 +117,87 @@ def test_stats_pipelines_do_not_starve_an_engine_or_a_new_connection(drafter: An
         assert float(np.median(step_s)) < TYPICAL_S and float(np.median(ping_s)) < TYPICAL_S
         for c in [*others, engine]:
             c.close()
+        assert "Traceback" not in w.log_text()
+
+
+def test_keep_alive_pings_on_every_connection_do_not_lock_an_engine_out(drafter: Any) -> None:
+    """A stranger holds every connection slot open with a PING every 0.5 s, and reconnects
+    whatever is closed: a new engine still gets in (it pushes out the oldest connection that
+    holds no session), HELLOs and drafts; the engine's connection is never pushed out."""
+    d = drafter
+    with start_worker(*SMALL, "--max-connections", "48") as w:
+        assert w.host and w.port
+        addr = (w.host, w.port)
+        stop = threading.Event()
+        pushed = [0]
+
+        def flood() -> None:
+            socks = [socket.create_connection(addr, timeout=5) for _ in range(60)]
+            seq = 0
+            while not stop.is_set():
+                for i, s in enumerate(socks):
+                    seq += 1
+                    try:
+                        s.sendall(frame(OP_PING, seq, 0))
+                        s.settimeout(0.5)
+                        if not s.recv(64):
+                            raise ConnectionError
+                    except OSError:
+                        pushed[0] += 1
+                        s.close()
+                        with contextlib.suppress(OSError):
+                            socks[i] = socket.create_connection(addr, timeout=5)
+                stop.wait(0.5)
+            for s in socks:
+                s.close()
+
+        t = threading.Thread(target=flood, daemon=True)
+        t.start()
+        try:
+            time.sleep(1.5)  # every slot is taken and kept alive
+            t0 = time.perf_counter()
+            engine = _engine(w, d, "engine")
+            took = time.perf_counter() - t0
+            steps = [_engine_step(engine, d, i) for i in range(20)]
+            engine.close()
+        finally:
+            stop.set()
+            t.join(15)
+        assert took < SERVED_WITHIN_S and max(steps) < SERVED_WITHIN_S, (took, max(steps))
+        assert pushed[0] > 0  # the flood's own connections made room, not the engine's
+        assert "Traceback" not in w.log_text()
+
+
+def test_sessions_left_behind_by_one_connection_do_not_fill_the_table(drafter: Any) -> None:
+    """Without a secret, one connection HELLOs session after session: it holds at most 4
+    (ST_BUSY beyond, with the numbers). Connections that fill the table and leave, never
+    having sent a STEP, free it after handshake_timeout_s, not session_idle_s (600 s): a new
+    engine gets in. A real engine's session (it sent STEPs) outlives its connection."""
+    d = drafter
+    with start_worker(*SMALL, "--max-sessions", "12", "--handshake-timeout-s", "1") as w:
+        assert w.host and w.port
+        engine = _engine(w, d, "stays")  # has sent a STEP
+        engine.close()
+        grabbers = [Client((w.host, w.port), timeout=20) for _ in range(3)]
+        got = []
+        for g in grabbers:
+            for i in range(6):
+                g.session = 0x7000 + 16 * grabbers.index(g) + i
+                got.append(g.hello(make_hello(d, max_slots=1)).status)
+        assert got[:6] == [ST_OK] * 4 + [ST_BUSY] * 2, got  # the 5th on one connection
+        assert got.count(ST_OK) == 11 and got.count(ST_BUSY) == 7, got
+        assert "the limit per connection is 4" in w.log_text()
+        with Client((w.host, w.port), timeout=20) as late:
+            assert late.hello(make_hello(d, max_slots=4, client_name="late")).status == ST_BUSY
+        for g in grabbers:
+            g.close()
+        deadline = time.monotonic() + 10
+        while True:  # expired about a second after their connections went
+            with Client((w.host, w.port), timeout=20) as late:
+                if late.hello(make_hello(d, max_slots=4, client_name="late")).status == ST_OK:
+                    break
+            assert time.monotonic() < deadline, "the grabbed sessions were never let go"
+            time.sleep(0.2)
+        stats = worker_stats(w)
+        assert len(stats["sessions"]) == 2  # "late", and the engine that sent STEPs
         assert "Traceback" not in w.log_text()

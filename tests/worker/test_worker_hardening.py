@@ -22,6 +22,7 @@ from worker_harness import Client, ThreadWorker, make_hello, tap_rows, thread_wo
 
 from dspark_worker.buffers import BufferPool
 from dspark_worker.config import (
+    MAX_SESSIONLESS_PER_PEER,
     SESSIONLESS_MAX_BODY_BYTES,
     WorkerConfig,
     config_warnings,
@@ -115,8 +116,6 @@ def test_idle_sockets_are_closed_and_do_not_lock_out_an_engine(drafter: Any) -> 
         try:
             # a health checker that PINGs stays connected past the deadline
             checker = w.connect()
-            _wait(lambda: w.call(lambda: len(w.app.server.connections)) == n,  # type: ignore
-                  what="every idle socket registered")
             for s in idle:  # the worker closes every one of them (EOF)
                 s.settimeout(15)
                 assert s.recv(1) == b""
@@ -146,7 +145,10 @@ def test_idle_sockets_are_closed_and_do_not_lock_out_an_engine(drafter: Any) -> 
                 s.close()
         _, text = w.scrape()
         closed = "dspark_worker_connections_closed_total"
-        assert _metric(text, closed, reason="handshake_timeout") >= n
+        # all but the last few of one peer's connections without a session were pushed out
+        assert _metric(text, closed, reason="pushed_out") >= n - MAX_SESSIONLESS_PER_PEER
+        assert _metric(text, closed, reason="handshake_timeout") + _metric(
+            text, closed, reason="pushed_out") >= n
         assert _metric(text, closed, reason="idle_timeout") == 1
 
 
