@@ -255,7 +255,9 @@ class WorkerApp:
                              on_batch=lambda s, e: holder["d"].record_batch(s, e),
                              device_thread=self._device)
         shm = ShmOps(c.max_shm_region_bytes if c.unix else 0,
-                     register=cuda_host_register if device.startswith("cuda") else None)
+                     register=cuda_host_register if device.startswith("cuda") else None,
+                     max_mapped_bytes=c.max_shm_mapped_bytes)
+        self.metrics.shm_mapped.set_function(lambda: shm.mapped_bytes)
         self.dispatcher = Dispatcher(info, table, self.runner, self.metrics, secret=secret,
                                      shed_queue_steps=c.shed_queue_steps,
                                      max_frame_bytes=frame_limit(c, d.row_bytes),
@@ -360,6 +362,7 @@ class WorkerApp:
                 "max_connections": c.max_connections,
                 "max_frame_bytes": frame_limit(c, row_bytes),
                 "max_shm_region_bytes": c.max_shm_region_bytes if c.unix else 0,
+                "max_shm_mapped_bytes": c.max_shm_mapped_bytes,
                 "session_idle_s": c.session_idle_s,
                 "partial_frame_timeout_s": c.partial_frame_timeout_s,
                 "handshake_timeout_s": c.handshake_timeout_s,

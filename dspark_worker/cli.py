@@ -23,6 +23,7 @@ from .config import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_ROWS_PER_STEP,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_SHM_MAPPED_BYTES,
     DEFAULT_MAX_SHM_REGION_BYTES,
     DEFAULT_MAX_SLOTS,
     DEFAULT_MAX_TOTAL_SLOTS,
@@ -92,6 +93,11 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
      f"largest shared-memory rows region (a sealed memfd) one Unix connection may attach"
      f" (section 13); larger gets ST_LIMITS. 0 offers none. Default:"
      f" {DEFAULT_MAX_SHM_REGION_BYTES}."),
+    ("max_shm_mapped_bytes", "BYTES", int,
+     f"what the shared-memory regions of every connection may map together: the pages the"
+     f" worker reads are charged to its memory (page-locked on CUDA). A region over it gets"
+     f" ST_LIMITS (its client sends rows on the socket). 0 = no limit of its own. Default:"
+     f" {DEFAULT_MAX_SHM_MAPPED_BYTES}."),
     ("session_idle_s", "SECONDS", float,
      f"a session with no frame for this long is dropped with its windows. Default:"
      f" {DEFAULT_SESSION_IDLE_S:g}."),

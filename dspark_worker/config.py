@@ -76,6 +76,9 @@ MIN_FRAME_BYTES: Final = 64 << 10
 # space and what one connection can make the device read: the largest legal STEP's rows at the
 # default limits (4096 rows of Qwen3-8B's 40 KiB) fit. 0 offers no regions (no CAP_SHM_ROWS).
 DEFAULT_MAX_SHM_REGION_BYTES: Final = 256 << 20
+# Section 13: what every connection's regions may map together. The pages the worker reads are
+# charged to it (and page-locked on CUDA): four of the largest regions, or many smaller ones.
+DEFAULT_MAX_SHM_MAPPED_BYTES: Final = 4 * DEFAULT_MAX_SHM_REGION_BYTES
 # Largest body a connection that holds no session may send (HELLO is 160 bytes, PING, STATS and
 # GOODBYE have none): a stranger's frames cost the worker at most this much each (section 11).
 SESSIONLESS_MAX_BODY_BYTES: Final = 4 << 10
@@ -126,6 +129,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_frame_bytes: int = 0  # 0: the largest legal STEP for max_slots and max_rows_per_step
     max_shm_region_bytes: int = DEFAULT_MAX_SHM_REGION_BYTES
+    max_shm_mapped_bytes: int = DEFAULT_MAX_SHM_MAPPED_BYTES
     session_idle_s: float = DEFAULT_SESSION_IDLE_S
     partial_frame_timeout_s: float = DEFAULT_PARTIAL_FRAME_TIMEOUT_S
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
@@ -194,6 +198,9 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
     if isinstance(c.max_shm_region_bytes, bool) or c.max_shm_region_bytes < 0:
         out.append(("max_shm_region_bytes", c.max_shm_region_bytes,
                     "is negative (0 offers no shared-memory regions)"))
+    if isinstance(c.max_shm_mapped_bytes, bool) or c.max_shm_mapped_bytes < 0:
+        out.append(("max_shm_mapped_bytes", c.max_shm_mapped_bytes,
+                    "is negative (0: no limit of its own)"))
     positive_seconds("partial_frame_timeout_s")
     positive_seconds("handshake_timeout_s")
     positive_seconds("connection_idle_s")

@@ -274,6 +274,9 @@ class Dispatcher:
         self.ready = True
         self.last_frame_at = 0.0  # perf_counter of the newest frame: the drain ends when quiet
         self.connected: Callable[[int], bool] = lambda conn_id: True
+        # Called with a connection id whose session just went (dropped or moved away): the
+        # server unmaps that connection's shared-memory region.
+        self.session_left: Callable[[int], None] = lambda conn_id: None
         self._handlers: dict[int, Callable[[Conn, Frame, float], Reply | None]] = {
             OP_HELLO: self._hello,
             OP_STEP: self._step,
@@ -389,8 +392,12 @@ class Dispatcher:
         def live(other: Session) -> bool:  # another engine's, in use: not a dead predecessor
             return self.connected(other.conn_id) and now - other.last_active < LIVE_SESSION_S
 
+        before = self.table.get(h.session)
+        moved_from = before.conn_id if before is not None else 0
         result = self.table.hello(h.session, h.seq, hello, conn.conn_id, now, live,
                                   conn.peer_host)
+        if moved_from and moved_from != conn.conn_id:
+            self.session_left(moved_from)
         for s, reason in result.dropped:
             self._dropped(s, reason, f"by session {h.session:#010x} from {conn.peer}")
         for other in result.kept:
@@ -649,6 +656,7 @@ class Dispatcher:
         """After the table let ``s`` go: free its lanes in order with the STEPs, account."""
         self.state_version += 1
         self.runner.submit(LaneOp("free", s))
+        self.session_left(s.conn_id)
         self.metrics.sessions_dropped.labels(reason=reason.value).inc()
         self._dropped_counts[reason.value] = self._dropped_counts.get(reason.value, 0) + 1
         lvl = logging.WARNING if reason is DropReason.INTERNAL else logging.INFO

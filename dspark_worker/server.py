@@ -454,6 +454,16 @@ class WorkerServer:
         self._log = RateLimitedLog(log)
         self._sweeper: asyncio.Task[None] | None = None
         dispatcher.connected = lambda conn_id: conn_id in self.connections
+        dispatcher.session_left = self._session_left
+
+    def _session_left(self, conn_id: int) -> None:
+        """A session of this connection went: a region it attached is unmapped once the
+        connection holds no session (its memory is no longer the worker's to hold)."""
+        conn = self.connections.get(conn_id)
+        if conn is not None and conn.shm.region is not None and not conn.has_session:
+            log.info("connection %s: its session is gone; shared-memory region unmapped",
+                     conn.peer)
+            conn.shm.close()
 
     async def listen_tcp(self, host: str, port: int,
                          sock: socket.socket | None = None) -> tuple[str, int]:
