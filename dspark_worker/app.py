@@ -41,7 +41,7 @@ from .config import (
 from .dispatch import Dispatcher, WorkerInfo, rss_bytes
 from .metrics import Metrics
 from .runner import Runner, new_device_thread
-from .server import MetricsServer, WorkerServer, bind_tcp, bind_unix
+from .server import MetricsServer, WorkerServer, bind_tcp, bind_unix, unlink_own_socket
 from .sessions import SessionTable
 from .shm import ShmOps, cuda_host_register
 
@@ -176,6 +176,9 @@ class WorkerApp:
             return False, "draining"
         if not self.ready:
             return False, "loading"
+        broken = self.dispatcher.outputs_broken if self.dispatcher is not None else None
+        if broken is not None:
+            return False, f"drafter outputs are broken: {broken}"
         return True, "ok"
 
     def liveness(self) -> tuple[bool, str]:
@@ -315,6 +318,8 @@ class WorkerApp:
                     raise StartupError(f"{what} {path}: folder {folder} does not exist")
                 if not os.access(folder, os.W_OK | os.X_OK):
                     raise StartupError(f"{what} {path}: folder {folder} is not writable")
+        if c.port_file and os.path.isdir(c.port_file):
+            raise StartupError(f"port file {c.port_file}: is a directory; name a file in it")
         if c.listen:
             host, port = parse_host_port(c.listen)
             try:
@@ -341,10 +346,9 @@ class WorkerApp:
             self._tcp_sock.close()
             self._tcp_sock = None
         if self._unix_sock is not None:
+            unlink_own_socket(self.config.unix or "", self._unix_sock)
             self._unix_sock.close()
             self._unix_sock = None
-            with contextlib.suppress(OSError):
-                os.unlink(self.config.unix or "")
 
     def _runner_died(self, exc: BaseException) -> None:
         """Nothing can be drafted any more: say so on /healthz and stop, so that the
@@ -422,6 +426,14 @@ class WorkerApp:
     async def run(self, install_signals: bool = True) -> int:
         """Start, serve until SIGTERM/SIGINT (or ``request_stop``), drain; the exit code."""
         loop = asyncio.get_running_loop()
+        if install_signals:
+            # Signals whose default action kills the process at once, with no log line and no
+            # drain (a logrotate "kill -HUP" would): SIGHUP and SIGUSR1/2 are logged and
+            # otherwise ignored (the log goes to stderr: nothing to reopen; SIGUSR1/2 also
+            # write every thread's stack to stderr), SIGQUIT shuts down like SIGTERM.
+            for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+                loop.add_signal_handler(sig, self._on_harmless_signal, sig)
+            loop.add_signal_handler(signal.SIGQUIT, self._on_signal, signal.SIGQUIT)
         try:
             await self.start()
         except BaseException:
@@ -435,6 +447,16 @@ class WorkerApp:
         if self._stop_event is not None:
             await self._stop_event.wait()
         return await self.stop()
+
+    def _on_harmless_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if sig == signal.SIGHUP:
+            log.info("SIGHUP: ignored (the log goes to stderr; nothing to reopen or reload)")
+            return
+        log.info("%s: ignored; the stacks of every thread follow on stderr", name)
+        import faulthandler
+
+        faulthandler.dump_traceback(all_threads=True)
 
     def _on_signal(self, sig: int) -> None:
         if self._stop_event is not None and self._stop_event.is_set():

@@ -63,10 +63,12 @@ STEP's last byte to its reply (the ``worker_us`` of 7.4).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -93,6 +95,7 @@ from protocol.constants import (
     SAMPLE_MODE_NAMES,
     SAMPLE_TOP32,
     SF_ROWS_SHM,
+    ST_AUTH,
     ST_DRAINING,
     ST_INTERNAL,
     ST_NO_SESSION,
@@ -123,12 +126,17 @@ from protocol.validate import check_step_shape
 
 from .config import LIVE_SESSION_S, max_step_body_bytes
 from .metrics import Metrics
-from .runner import LaneOp, Runner, StepItem, reply_bytes
+from .runner import LaneOp, NonFiniteOutput, Runner, StepItem, reply_bytes
 from .sessions import DropReason, Outcome, Session, SessionTable, plan_step
 from .shm import ShmOps
 
 log = logging.getLogger(__name__)
 
+# HELLOs with a wrong tag one connection may send before it is closed; a peer host that sent
+# this many within the window is closed after each one.
+AUTH_FAILURES_PER_CONNECTION = 3
+AUTH_FAILURES_PER_PEER = 20
+AUTH_WINDOW_S = 60.0
 # A STATS body for connections without a session is reused for this long at most (while no
 # other frame came): a peer pipelining STATS gets the same bytes, not a fresh JSON each time.
 STATS_CACHE_S = 0.25
@@ -292,7 +300,12 @@ class Dispatcher:
         # Bumped by every frame but PING and STATS, every STEP answered and every session
         # dropped: a cached STATS body is reused only while it stays the same.
         self.state_version = 0
+        # Why the drafter's latest outputs were refused (not finite), until a STEP drafts
+        # finite values again; /healthz answers 503 meanwhile.
+        self.outputs_broken: str | None = None
         self._stats_cache: tuple[tuple[int, bool, bool], float, bytes] | None = None
+        # peer host -> (window start, HELLOs whose tag did not verify since)
+        self._auth_failures: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._dropped_counts: dict[str, int] = {}
         self._hello_reply_ok: dict[tuple[bool, int], bytes] = {}
         # Gauges read when scraped: nothing to keep up to date per frame.
@@ -348,6 +361,8 @@ class Dispatcher:
         # ST_DRAINING closes too: a client that does not know the status reconnects, and the
         # drain ends sooner (app.WorkerApp.stop waits for the connections to go).
         close = status in (ST_VERSION, ST_DRAINING) or isinstance(exc, FrameTooLargeError)
+        if status == ST_AUTH:
+            close = self._auth_failed(conn) or close
         body: bytes = b""
         if h.op == OP_HELLO:
             body = self.info.hello_reply().pack()
@@ -362,6 +377,24 @@ class Dispatcher:
                                   FRAME_STATUS_NAMES[status], exc,
                                   "; closing the connection" if close else "")
         return Reply(self._frame(h, status, body), close=close)
+
+    def _auth_failed(self, conn: Conn) -> bool:
+        """Count a HELLO whose tag does not verify; True: close the connection after the reply.
+        A connection gets AUTH_FAILURES_PER_CONNECTION tries; a peer host with
+        AUTH_FAILURES_PER_PEER of them within AUTH_WINDOW_S gets one try per connection, so
+        each guess costs it a new connection (counted, and pushed out first, section 11)."""
+        n = getattr(conn, "auth_failures", 0) + 1
+        with contextlib.suppress(AttributeError):
+            conn.auth_failures = n  # type: ignore[attr-defined]
+        now = self.clock()
+        peers = self._auth_failures
+        start, count = peers.pop(conn.peer_host, (now, 0))
+        if now - start >= AUTH_WINDOW_S:
+            start, count = now, 0
+        peers[conn.peer_host] = (start, count + 1)
+        while len(peers) > 4096:
+            peers.popitem(last=False)
+        return n >= AUTH_FAILURES_PER_CONNECTION or count + 1 >= AUTH_FAILURES_PER_PEER
 
     @staticmethod
     def _frame(h: AppHeader, status: int, body: Buffer = b"") -> bytes:
@@ -540,6 +573,8 @@ class Dispatcher:
             return
         if item.error is not None or item.reply is None:
             exc = item.error
+            if isinstance(exc, NonFiniteOutput):
+                self.outputs_broken = str(exc)
             log.error("STEP seq %d of session %#010x failed on the device: %s: %s",
                       h.seq, h.session, type(exc).__name__, exc,
                       exc_info=exc if not isinstance(exc, WireError) else None)
@@ -561,6 +596,8 @@ class Dispatcher:
             else:
                 m.request_statuses(np.bincount(status))
         m.drafted(item.n_drafted)
+        if item.n_drafted and self.outputs_broken is not None:
+            self.outputs_broken = None  # finite drafts again
         item.session.drafted += item.n_drafted
         m.observe_stage("queue", item.t_start - item.t_queued)
         m.observe_stage("apply", item.apply_s)

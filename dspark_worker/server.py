@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
 import socket
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +95,7 @@ class Connection(asyncio.BufferedProtocol):
         self.peer = "?"
         self.peer_host = "?"  # the peer without its port: what refusal logs are counted by
         self.session_id = 0  # the session of the latest HELLO accepted here (dispatch sets it)
+        self.auth_failures = 0  # HELLOs refused ST_AUTH here (dispatch counts them)
         self.last_frame = time.monotonic()  # connect, then each complete frame
         self.transport: asyncio.Transport | None = None
         self.decoder = FrameDecoder(max_body=server.max_frame_bytes, alloc=server.buffers.alloc,
@@ -449,6 +452,7 @@ class WorkerServer:
         self.connections: dict[int, Connection] = {}
         self.draining = False
         self.unix_path: str | None = None
+        self._unix_sock: socket.socket | None = None
         self.tcp_address: tuple[str, int] | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._log = RateLimitedLog(log)
@@ -489,6 +493,7 @@ class WorkerServer:
                                             backlog=1024)
         self._servers.append(srv)
         self.unix_path = path
+        self._unix_sock = sock
         return path
 
     # -- connections without a session --------------------------------------------------------
@@ -598,8 +603,8 @@ class WorkerServer:
                 await asyncio.wait_for(srv.wait_closed(), 0.5)
         self._servers.clear()
         if self.unix_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self.unix_path)
+            unlink_own_socket(self.unix_path, self._unix_sock)
+            self._unix_sock = None
 
     def busy_connections(self) -> int:
         return sum(1 for c in self.connections.values() if c.busy)
@@ -644,18 +649,54 @@ def bind_tcp(host: str, port: int) -> socket.socket:
 
 
 def bind_unix(path: str) -> socket.socket:
-    """A Unix socket bound to ``path`` (a stale socket file of a previous run is replaced)."""
-    with contextlib.suppress(FileNotFoundError):
-        if os.path.exists(path) and _is_socket(path):
-            os.unlink(path)
+    """A Unix socket bound to ``path``. A socket file left by a run that is gone (nothing
+    accepts on it) is replaced; one that a live process serves is not touched: OSError
+    EADDRINUSE. The socket remembers which file it made, for ``unlink_own_socket``."""
+    if _is_socket(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # stale: no one listens
+        except OSError:
+            pass  # cannot tell (a full backlog, permissions): bind decides
+        else:
+            raise OSError(errno.EADDRINUSE, f"another process is serving on {path} (a second"
+                                            " worker on the same --unix path?)")
+        finally:
+            probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
         sock.setblocking(False)
+        st = os.stat(path)
+        _UNIX_OWNED[sock] = (st.st_dev, st.st_ino)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+# listening socket -> (st_dev, st_ino) of the socket file its bind made (kept after it closes)
+_UNIX_OWNED: weakref.WeakKeyDictionary[socket.socket, tuple[int, int]] = \
+    weakref.WeakKeyDictionary()
+
+
+def unlink_own_socket(path: str, sock: socket.socket | None) -> None:
+    """Remove ``path`` only if it is still the socket file ``sock``'s bind made (another
+    worker may have taken the path since, after all)."""
+    if sock is None or not path:
+        return
+    owned = _UNIX_OWNED.pop(sock, None)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if owned == (st.st_dev, st.st_ino):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 # -- /metrics and /healthz --------------------------------------------------------------------
@@ -713,13 +754,38 @@ class MetricsServer:
                 oldest.transport.abort()
         self._open[writer] = True
 
+    @staticmethod
+    async def _read_head(reader: asyncio.StreamReader) -> str:
+        """The request line, once the head has ended: an empty line (CRLF or a bare LF, as
+        curl -0 and netcat send), or the end of the stream (a client that half-closed)."""
+        first = b""
+        total = 0
+        while True:
+            raw = await reader.readline()
+            total += len(raw)
+            if total > MAX_HTTP_REQUEST_BYTES:
+                raise ValueError(f"request head over {MAX_HTTP_REQUEST_BYTES} bytes")
+            text = raw.rstrip(b"\r\n")
+            if not first:
+                first = text
+            if not raw.endswith(b"\n") or (not text and first):
+                if not first:
+                    raise ConnectionError("closed before a request")
+                return first.decode("latin-1")
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._admit(writer)
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout_s)
+            try:
+                line = await asyncio.wait_for(self._read_head(reader), self.timeout_s)
+            except asyncio.TimeoutError:
+                # Unfinished after the timeout: say so instead of closing without a word.
+                writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
+                await asyncio.wait_for(writer.drain(), self.timeout_s)
+                return
             if writer in self._open:
                 self._open[writer] = False
-            line = head.split(b"\r\n", 1)[0].decode("latin-1")
             parts = line.split()
             method, target = (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
             path = target.split("?", 1)[0]
