@@ -80,6 +80,11 @@ SESSION_OPS = frozenset({OP_STEP, OP_RESET, OP_GOODBYE, OP_SHM_ATTACH})
 # turn (and reading pauses meanwhile): a peer pipelining thousands of cheap frames in one
 # receive cannot hold the loop while other connections and new ones wait.
 FRAMES_PER_TURN = 4
+# A connection without a session (PING, STATS, HELLO attempts) is answered at most this many
+# frames per second after a burst: a health checker or a tool sends a few, a peer that sends
+# more waits (with reading paused), so floods of them cannot take the loop from the engines.
+SESSIONLESS_FRAMES_PER_S = 100.0
+SESSIONLESS_BURST = 32
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -109,6 +114,8 @@ class Connection(asyncio.BufferedProtocol):
         self.read_paused = False
         self.write_paused = False
         self._pump_soon = False  # a _pump is scheduled for the next loop turn
+        self._tokens = float(SESSIONLESS_BURST)  # frames answered while without a session
+        self._tokens_at = time.monotonic()
         self._reply_buf: bytearray | None = None
         self._partial_since: float | None = None
         self._partial_timer: asyncio.TimerHandle | None = None
@@ -289,6 +296,11 @@ class Connection(asyncio.BufferedProtocol):
                 self._pump_soon = True
                 asyncio.get_running_loop().call_soon(self._pump_later)
                 break
+            wait = 0.0 if self.has_session else self._take_token()
+            if wait > 0:  # a connection without a session past its rate: later
+                self._pump_soon = True
+                asyncio.get_running_loop().call_later(wait, self._pump_later)
+                break
             budget -= 1
             fr, t_arrival = self.pending.popleft()
             reply = self.dispatcher.handle(self, fr, t_arrival)
@@ -307,6 +319,19 @@ class Connection(asyncio.BufferedProtocol):
                 and not self.server.draining and self._fd_rx is None):
             self.read_paused = False
             self.transport.resume_reading()
+
+    def _take_token(self) -> float:
+        """Token bucket of a connection without a session: 0 and one token taken, or the
+        seconds until the next one."""
+        now = time.monotonic()
+        tokens = min(float(SESSIONLESS_BURST),
+                     self._tokens + (now - self._tokens_at) * SESSIONLESS_FRAMES_PER_S)
+        self._tokens_at = now
+        if tokens >= 1.0:
+            self._tokens = tokens - 1.0
+            return 0.0
+        self._tokens = tokens
+        return (1.0 - tokens) / SESSIONLESS_FRAMES_PER_S
 
     def _pump_later(self) -> None:
         if self._pump_soon:

@@ -111,7 +111,7 @@ def test_stats_pipelines_do_not_starve_an_engine_or_a_new_connection(drafter: An
             stop.set()
             for t in floods:
                 t.join(10)
-        assert sum(answered) > 1000, answered  # the flood was served too, just not first
+        assert sum(answered) > 300, answered  # the flood was served too (100 per second each)
         assert max(step_s) < SERVED_WITHIN_S, (max(step_s), sorted(step_s)[-5:])
         assert max(ping_s) < SERVED_WITHIN_S, (max(ping_s), sorted(ping_s)[-5:])
         assert float(np.median(step_s)) < TYPICAL_S and float(np.median(ping_s)) < TYPICAL_S
