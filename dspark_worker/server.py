@@ -805,6 +805,8 @@ class MetricsServer:
                 line = await asyncio.wait_for(self._read_head(reader), self.timeout_s)
             except asyncio.TimeoutError:
                 # Unfinished after the timeout: say so instead of closing without a word.
+                if writer.transport.is_closing():  # pushed out meanwhile
+                    return
                 writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
                              b"Connection: close\r\n\r\n")
                 await asyncio.wait_for(writer.drain(), self.timeout_s)
@@ -830,7 +832,7 @@ class MetricsServer:
             writer.write(head_out if method == "HEAD" else head_out + body)
             await asyncio.wait_for(writer.drain(), self.timeout_s)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
-                ConnectionError, ValueError):
+                ConnectionError, ValueError, RuntimeError):  # RuntimeError: transport closed
             pass
         finally:
             self._open.pop(writer, None)
