@@ -84,7 +84,9 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
      f"window rings reserved at start for all sessions together; a HELLO whose max_slots"
      f" does not fit in what is free gets ST_BUSY. Default: {DEFAULT_MAX_TOTAL_SLOTS}."),
     ("max_connections", "N", int,
-     f"open connections; more are closed at once. Default: {DEFAULT_MAX_CONNECTIONS}."),
+     f"open connections. At the limit a new one pushes out the oldest connection that holds"
+     f" no session; when every one holds a session it is closed at once. Default:"
+     f" {DEFAULT_MAX_CONNECTIONS}."),
     ("max_frame_bytes", "BYTES", int,
      "largest frame body accepted; a larger one gets ST_BAD_FRAME and the connection is"
      " closed, and a HELLO whose largest STEP would be larger gets ST_LIMITS. Default: 0 ="

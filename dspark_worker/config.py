@@ -347,6 +347,10 @@ def config_warnings(config: WorkerConfig, row_bytes: int) -> list[str]:
         out.append(f"max_slots {config.max_slots} is above max_total_slots"
                    f" {config.max_total_slots}: a session can use at most"
                    f" {config.max_total_slots} slots, and a HELLO asking for more gets ST_BUSY")
+    if config.unix and 0 < config.max_shm_mapped_bytes < config.max_shm_region_bytes:
+        out.append(f"max_shm_mapped_bytes {config.max_shm_mapped_bytes} is below"
+                   f" max_shm_region_bytes {config.max_shm_region_bytes}: a region larger than"
+                   f" {config.max_shm_mapped_bytes} bytes is refused ST_LIMITS")
     return out
 
 
