@@ -562,10 +562,12 @@ class WorkerServer:
         """Connections without a session go first (section 11): a new connection from a peer
         that holds ``MAX_SESSIONLESS_PER_PEER`` of them closes that peer's oldest, and at the
         connection limit a new one closes the oldest of all; so PINGs that keep idle
-        connections open cannot keep an engine out. Connections that hold a session, or are
-        busy with a frame, are never pushed out."""
+        connections open cannot keep an engine out. Connections that hold a session, or have
+        a STEP with the runner, are never pushed out."""
+        # (Frames waiting on such a connection do not protect it: a peer that pipelines PINGs
+        # past its rate always has some.)
         idle = [c for c in self.connections.values()
-                if not c.closing and not c.busy and not c.pending and not c.has_session]
+                if not c.closing and not c.busy and not c.has_session]
         mine = [c for c in idle if c.peer_host == conn.peer_host]
         victim: Connection | None = None
         if len(mine) >= MAX_SESSIONLESS_PER_PEER:
