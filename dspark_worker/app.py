@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from protocol.auth import read_secret_file
@@ -124,6 +125,20 @@ def load_drafter_for(config: WorkerConfig) -> Any:
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
     return load_drafter(config.checkpoint, target_checkpoint=config.target_checkpoint,
                         device=device, dtype=dtype)
+
+
+def self_check(d: Any) -> str | None:
+    """One draft through the serving path on a scratch pool, rows of ones: None when its
+    confidences and margins are finite, else what is wrong (NaN weights, a broken kernel)."""
+    pool = d.new_pool(1, 4)
+    lanes = pool.allocate(1)
+    one = np.full((4, d.row_bytes // 2), 0x3F80, dtype=np.uint16)  # bf16 1.0
+    pool.apply(lanes, np.array([4]), np.array([4]), np.ones(1, dtype=bool),
+               one.view(np.uint8))
+    r = d.draft(pool, lanes, np.array([4]), np.zeros(1, dtype=np.int64))
+    if np.isfinite(r.confidence).all() and np.isfinite(r.margin).all():
+        return None
+    return "the drafter's confidences or margins are not finite (NaN or inf)"
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -231,10 +246,15 @@ class WorkerApp:
         self.metrics.window_memory.set(self.pool.nbytes)
         for text in config_warnings(c, d.row_bytes):
             log.warning("%s", text)
+        broken: str | None = None
         if c.warmup:
             t1 = time.perf_counter()
             await loop.run_in_executor(self._device, d.warmup)
+            broken = await loop.run_in_executor(self._device, self_check, d)
             log.info("warmed up in %.2f s", time.perf_counter() - t1)
+            if broken is not None:
+                log.error("the drafter's own check failed: %s; /healthz answers 503 and every"
+                          " STEP ST_INTERNAL until it drafts finite values", broken)
 
         info = WorkerInfo(
             worker_name=c.resolved_worker_name, drafter_identity=d.drafter_identity,
@@ -266,6 +286,7 @@ class WorkerApp:
                                      max_frame_bytes=frame_limit(c, d.row_bytes),
                                      stats_extra=self._stats_extra, shm=shm)
         holder["d"] = self.dispatcher
+        self.dispatcher.outputs_broken = broken
         self.runner.start(on_death=self._runner_died)
         factory = pinned_factory() if device.startswith("cuda") else bytearray
         # Keep an idle receive buffer per size class for every session held: each engine may

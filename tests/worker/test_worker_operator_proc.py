@@ -146,8 +146,15 @@ def test_a_drafter_with_nan_weights_is_an_internal_error_and_unhealthy(
     with torch.no_grad():
         d.model.lm_head.weight.fill_(float("nan"))
     save_checkpoint(d.model, tmp_path / "nan")
-    with start_worker(*SMALL, "--checkpoint", str(tmp_path / "nan")) as w:
+    with start_worker(*SMALL, "--warmup", "--checkpoint", str(tmp_path / "nan")) as w:
         assert w.host and w.port and w.metrics_url
+        # the start-up check found it: unhealthy before any engine came
+        try:
+            urllib.request.urlopen(w.metrics_url + "/healthz", timeout=10)
+            raise AssertionError("healthz said ok")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and b"not finite" in e.read()
+        assert "the drafter's own check failed" in w.log_text()
         stats = worker_stats(w)
         g = stats["geometry"]
         hello = Hello(sample_mode=0, window=32, num_spec=g["num_spec"], max_slots=4,
