@@ -229,25 +229,26 @@ class Connection(asyncio.BufferedProtocol):
         s = self.dispatcher.table.get(self.session_id)
         return s is not None and s.conn_id == self.conn_id
 
-    @property
-    def session_gone(self) -> bool:
-        """A session was bound here and is not any more (replaced, dropped, expired, moved)."""
-        return bool(self.session_id) and not self.has_session
+    def _bound(self, h: AppHeader) -> bool:
+        """The header's session is held and bound to this connection."""
+        s = self.dispatcher.table.get(h.session) if h.session else None
+        return s is not None and s.conn_id == self.conn_id
 
     def _body_limit(self, h: AppHeader) -> tuple[int, str]:
-        if self.has_session:  # bodies other than STEP still grow only with what arrives
+        if self.has_session or self._bound(h):  # bodies but STEP grow with what arrives
             return self.server.max_frame_bytes, "(the frame limit)"
         return SESSIONLESS_MAX_BODY_BYTES, "for a connection without a session"
 
     def _discard(self, h: AppHeader) -> bool:
-        """A frame of a session op on a connection whose session is gone: answered
-        ST_NO_SESSION from its header (the client HELLOs again), its body read and dropped."""
-        return h.op in SESSION_OPS and h.body_len > SESSIONLESS_MAX_BODY_BYTES \
-            and self.session_gone
+        """A frame of a session op, on a connection that held a session, for a session that
+        is not bound here (any more): answered ST_NO_SESSION from its header (the client HELLOs
+        again), its body read and dropped."""
+        return (h.op in SESSION_OPS and h.body_len > SESSIONLESS_MAX_BODY_BYTES
+                and bool(self.session_id) and not self._bound(h))
 
     def _trusted(self, h: AppHeader) -> bool:
         """Whether a body's storage may be taken whole from its header alone."""
-        return h.op == OP_STEP and self.has_session
+        return h.op == OP_STEP and self._bound(h)
 
     def idle_close_reason(self, now: float) -> str | None:
         """Why this connection should be closed now for holding no session and staying silent

@@ -31,6 +31,7 @@ from dspark_worker.config import (
 )
 from dspark_worker.dispatch import RateLimitedLog
 from protocol.constants import (
+    OP_GOODBYE,
     OP_HELLO,
     OP_PING,
     OP_RESET,
@@ -480,3 +481,18 @@ def test_repeated_stats_share_one_body_until_something_changes(worker: ThreadWor
         # the engine's own connection sees its session's id: never a shared body
         mine = msgspec.json.decode(eng.stats(session=0).body)
         assert [s.get("session") for s in mine["sessions"]] == [eng.session]
+
+
+def test_a_session_still_bound_here_is_not_taken_for_a_gone_one(worker: ThreadWorker,
+                                                                drafter: Any) -> None:
+    """A connection holding two sessions whose latest is released: a large STEP of the other,
+    still bound to it, is served whole (12 rows: over the 4 KiB of a sessionless body)."""
+    d = drafter
+    with worker.connect() as c:
+        first = c.session
+        assert c.hello(make_hello(d, client_name="multi-a")).status == ST_OK
+        c.session = first ^ 0x777
+        assert c.hello(make_hello(d, client_name="multi-b")).status == ST_OK
+        assert c.request(OP_GOODBYE).status == ST_OK  # the latest one goes
+        c.session = first
+        _fill_and_draft(c, d)  # 12 x 768 bytes of rows: served, not NO_SESSION
