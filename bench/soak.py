@@ -13,6 +13,12 @@ Timeline of ``--duration`` seconds: steady load; from ``--fuzz-at`` (30%) a fuzz
 connections); at ``--kill-at`` (70%) the worker is killed with SIGKILL and restarted on the same
 ports. The run goes on until ``--duration`` and at least 30% of it after the restart.
 
+With ``--flood pipeline`` (connections pipelining STATS) or ``--flood keepalive`` (hundreds of
+idle connections kept open by PINGs), that flood runs from ``--fuzz-at`` to ``--kill-at``
+beside the engines, and a new connection's first reply is probed every 0.2 s; the report gives
+rounds, drafted positions and round-trip percentiles before, during and after it
+(``--no-kill`` leaves out the kill -9 for such a measurement).
+
 Every ``--interval`` seconds it prints: STEPs, failed rounds, RTT p50 / p99, worker RSS. At the
 end: the clients' STEPs and rows since the restart against the worker's ``/metrics``, rounds
 every slot took to draft again after each reconnect against the proven bound
@@ -111,7 +117,7 @@ def engine_main(e: int, args: dict[str, Any], hello_raw: bytes, out: Any, killed
         release: list[int] = []
         samples: list[tuple[int, int, int, int, list[int]]] = []
         rtts: list[float] = []
-        tick_steps = tick_failed = 0
+        tick_steps = tick_failed = tick_drafted = 0
         n_round = 0
         last_epoch = c.connection_epoch()
         since_reconnect = 0
@@ -157,6 +163,7 @@ def engine_main(e: int, args: dict[str, Any], hello_raw: bytes, out: Any, killed
                 since_reconnect += 1
             status = res.status.tolist()
             num = res.num_drafted.tolist()
+            tick_drafted += int(sum(num)) if res.ok else 0
             for s in range(M):
                 k = num[s]
                 st = status[s]
@@ -184,9 +191,9 @@ def engine_main(e: int, args: dict[str, Any], hello_raw: bytes, out: Any, killed
                     end[s] = prompt + length
             now = time.monotonic()
             if now >= next_tick:
-                out.put(("tick", e, tick_steps, tick_failed, rtts))
+                out.put(("tick", e, tick_steps, tick_failed, rtts, tick_drafted))
                 rtts = []
-                tick_steps = tick_failed = 0
+                tick_steps = tick_failed = tick_drafted = 0
                 next_tick = now + args["interval"]
         snap = c.stats.snapshot()
         out.put(("done", e, {
@@ -266,6 +273,95 @@ def fuzz_storm(host: str, port: int, hello_body: bytes, total: int, threads: int
         t.join()
 
 
+# -- floods a stranger can send without a secret -------------------------------------------------
+def pipeline_flood(host: str, port: int, connections: int, stop: threading.Event,
+                   counter: list[int]) -> None:
+    """Each connection pipelines STATS without waiting, 2,700 (64 KiB) at a time, and reads the
+    replies as they come."""
+    burst = b"".join(wire.frame(wire.OP_STATS, i + 1, 0) for i in range(2700))
+
+    def run(k: int) -> None:
+        while not stop.is_set():
+            try:
+                with socket.create_connection((host, port), timeout=5) as s:
+                    s.settimeout(0.2)
+
+                    def send() -> None:
+                        with contextlib.suppress(OSError):
+                            while not stop.is_set():
+                                s.sendall(burst)
+
+                    sender = threading.Thread(target=send, daemon=True)
+                    sender.start()
+                    while not stop.is_set():
+                        try:
+                            chunk = s.recv(1 << 20)
+                        except TimeoutError:
+                            continue
+                        if not chunk:
+                            break
+                        counter[k] += chunk.count(b"DSPK")
+            except OSError:
+                time.sleep(0.05)
+
+    ts = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(connections)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def keepalive_flood(host: str, port: int, connections: int, stop: threading.Event,
+                    counter: list[int]) -> None:
+    """``connections`` idle connections, each sent a PING every 2 s; any the worker closes is
+    opened again at once."""
+    socks: list[socket.socket | None] = [None] * connections
+    seq = 0
+    while not stop.is_set():
+        for i in range(connections):
+            if stop.is_set():
+                break
+            seq += 1
+            try:
+                if socks[i] is None:
+                    socks[i] = socket.create_connection((host, port), timeout=2)
+                s = socks[i]
+                assert s is not None
+                s.sendall(wire.frame(wire.OP_PING, seq, 0))
+                s.settimeout(0.5)
+                if not s.recv(64):
+                    raise ConnectionError("closed")
+            except (OSError, ConnectionError):
+                counter[0] += 1  # closed by the worker (pushed out, refused)
+                if socks[i] is not None:
+                    socks[i].close()  # type: ignore[union-attr]
+                socks[i] = None
+        stop.wait(2.0)
+    for s in socks:
+        if s is not None:
+            s.close()
+
+
+def first_reply_probe(host: str, port: int, stop: threading.Event, out: list[float]) -> None:
+    """A new connection's first PING, every 0.2 s: its connect-to-reply time in seconds (inf
+    when refused)."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        try:
+            with socket.create_connection((host, port), timeout=10) as s:
+                s.sendall(wire.frame(wire.OP_PING, 1, 0))
+                s.settimeout(10)
+                got = s.recv(64)
+            out.append(time.perf_counter() - t if got else float("inf"))
+        except OSError:
+            out.append(float("inf"))
+        stop.wait(0.2)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
 # -- the parent -----------------------------------------------------------------------------------
 def rss_bytes(pid: int) -> int:
     try:
@@ -314,6 +410,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="an extra dspark-worker argument (repeatable): --worker-arg=--no-warmup")
     p.add_argument("--step-ms", type=float, default=2.0,
                    help="each engine's own time per round (its target step), slept")
+    p.add_argument("--flood", choices=("none", "pipeline", "keepalive"), default="none",
+                   help="a flood beside the engines from --fuzz-at until --kill-at: STATS"
+                        " pipelined on --flood-connections connections, or that many idle"
+                        " connections kept open by a PING every 2 s")
+    p.add_argument("--flood-connections", type=int, default=0,
+                   help="default: 3 for pipeline, 300 for keepalive")
+    p.add_argument("--no-kill", action="store_true",
+                   help="no kill -9 / restart (a flood measurement)")
     a = p.parse_args(argv)
 
     import torch
@@ -359,6 +463,15 @@ def main(argv: list[str] | None = None) -> int:
     fuzz_count = [0] * a.fuzz_threads
     fuzz_thread: threading.Thread | None = None
     fuzz_done_at: float | None = None
+    flood_stop = threading.Event()
+    flood_thread: threading.Thread | None = None
+    probe_thread: threading.Thread | None = None
+    flood_count: list[int] = [0]
+    flood_on: float | None = None
+    flood_off: float | None = None
+    probe_s: list[float] = []
+    # by phase (before, during, after the flood): [rounds ok, rounds failed, drafted, RTTs]
+    phases: dict[str, list[Any]] = {k: [0, 0, 0, []] for k in ("before", "flood", "after")}
     killed_at = restarted_at = None
     first_log = ""
     box: list[Any] = []  # the restarted worker, from its thread
@@ -372,6 +485,24 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         now = time.monotonic()
         el = now - t0
+        if a.flood != "none" and flood_thread is None and el >= a.fuzz_at * a.duration:
+            n = a.flood_connections or (3 if a.flood == "pipeline" else 300)
+            target = pipeline_flood if a.flood == "pipeline" else keepalive_flood
+            flood_count = [0] * max(n, 1)
+            flood_thread = threading.Thread(target=target, args=("127.0.0.1", port, n,
+                                                                 flood_stop, flood_count),
+                                            daemon=True)
+            flood_thread.start()
+            probe_thread = threading.Thread(target=first_reply_probe,
+                                            args=("127.0.0.1", port, flood_stop, probe_s),
+                                            daemon=True)
+            probe_thread.start()
+            flood_on = el
+            events.append(f"{a.flood} flood ({n} connections)")
+        if flood_thread is not None and flood_off is None and el >= a.kill_at * a.duration:
+            flood_stop.set()
+            flood_off = el
+            events.append(f"{a.flood} flood stopped")
         if fuzz_thread is None and el >= a.fuzz_at * a.duration:
             fuzz_thread = threading.Thread(
                 target=fuzz_storm, args=("127.0.0.1", port, hello.pack(), a.fuzz_frames,
@@ -383,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             events.append(f"fuzz done ({sum(fuzz_count)} frames)")
         # The kill comes after the storm has sent all its frames (a slow machine may need longer
         # than --kill-at allows): the storm is judged whole, then the restart.
-        if (killed_at is None and el >= a.kill_at * a.duration and fuzz_done_at is not None):
+        if (killed_at is None and not a.no_kill and el >= a.kill_at * a.duration
+                and fuzz_done_at is not None):
             fuzz_stop.set()  # the storm must not outlive the worker it aims at
             os.kill(worker.pid, signal.SIGKILL)
             worker.proc.wait(30)
@@ -409,6 +541,12 @@ def main(argv: list[str] | None = None) -> int:
                 tick_steps += msg[2]
                 tick_failed += msg[3]
                 tick_rtts.extend(msg[4])
+                ph = phases["before" if flood_on is None else "flood" if flood_off is None
+                            else "after"]
+                ph[0] += msg[2]
+                ph[1] += msg[3]
+                ph[2] += msg[5]
+                ph[3].extend(msg[4])
             elif msg[0] == "error":
                 errors.append(f"engine {msg[1]}: {msg[2]}")
         if time.monotonic() >= next_print:
@@ -426,8 +564,8 @@ def main(argv: list[str] | None = None) -> int:
             tick_rtts = []
             next_print += a.interval
         # The run lasts --duration, and at least 30% of it after the worker is back.
-        if errors or (el >= a.duration and restarted_at is not None
-                      and el >= restarted_at + 0.3 * a.duration):
+        if errors or (el >= a.duration and (a.no_kill or (
+                restarted_at is not None and el >= restarted_at + 0.3 * a.duration))):
             break
     stop.set()
     deadline = time.monotonic() + 120
@@ -445,8 +583,12 @@ def main(argv: list[str] | None = None) -> int:
         if pr.is_alive():
             pr.kill()
     fuzz_stop.set()
+    flood_stop.set()
     if fuzz_thread is not None:
         fuzz_thread.join(30)
+    for t in (flood_thread, probe_thread):
+        if t is not None:
+            t.join(30)
     metrics = scrape(worker.metrics_url or "") if worker.metrics_url else {}
     worker_log = worker.log_text()
     worker.stop()
@@ -516,13 +658,35 @@ def main(argv: list[str] | None = None) -> int:
     tracebacks = worker_log.count("Traceback") + first_log.count("Traceback")
     if tracebacks:
         failures.append(f"{tracebacks} tracebacks in the worker's logs")
+    flood: dict[str, Any] = {}
+    if a.flood != "none":
+        for name, (ok, failed, drafted, rtts) in phases.items():
+            rtt_ms = [x / 1000.0 for x in rtts]
+            flood[name] = {"rounds_ok": ok, "rounds_failed": failed, "drafted": drafted,
+                           "rtt_p50_ms": round(_pct(rtt_ms, 50), 2),
+                           "rtt_p99_ms": round(_pct(rtt_ms, 99), 2)}
+            print(f"{a.flood} flood, {name}: {ok} rounds ok, {failed} failed, {drafted}"
+                  f" drafted positions, RTT p50 {_pct(rtt_ms, 50):.2f} ms p99"
+                  f" {_pct(rtt_ms, 99):.2f} ms")
+        finite = [x for x in probe_s if x != float("inf")]
+        flood["new_connection"] = {
+            "probes": len(probe_s), "refused": len(probe_s) - len(finite),
+            "p50_ms": round(_pct(finite, 50) * 1e3, 2),
+            "p99_ms": round(_pct(finite, 99) * 1e3, 2),
+            "max_ms": round(max(finite, default=float("nan")) * 1e3, 2)}
+        flood["flood_replies_or_closes"] = sum(flood_count)
+        print(f"new connections during the flood: {flood['new_connection']}")
+        if len(finite) < len(probe_s):
+            failures.append(f"{len(probe_s) - len(finite)} new connections got no reply"
+                            " during the flood")
     summary = {"engines": a.engines, "slots": a.slots, "duration_s": a.duration,
                "wall_s": round(time.monotonic() - t_start, 1), "rounds": total_rounds,
                "fuzz_frames": fuzz_sent, "killed_at_s": killed_at,
                "restart_s": None if killed_at is None or restarted_at is None
                else round(restarted_at - killed_at, 2),
                "checked_drafts": len(samples), "wrong_drafts": wrong, "lost": lost,
-               "worst_rounds_after_reconnect": worst, "bound": bound, "failures": failures}
+               "worst_rounds_after_reconnect": worst, "bound": bound, "flood": flood,
+               "failures": failures}
     print("summary " + json.dumps(summary))
     if failures:
         print("SOAK FAILED:\n  " + "\n  ".join(f.splitlines()[0] for f in failures))

@@ -277,6 +277,10 @@ class RemoteDraftClient:
         self._fail_run = 0
         self._fail_logged = 0.0
         self._no_session_logged = -math.inf
+        # Rounds in a row whose reply failed its checks or was ST_INTERNAL: while it is not 0
+        # an accepted HELLO does not reset the backoff (a worker whose every reply is wrong,
+        # e.g. NaN weights, is not re-HELLOed many times a second), a good reply does.
+        self._failing_replies = 0
         self._resp = bytearray(self._step_reply_bytes())
         self._aux = bytearray(AUX_REPLY_BYTES)
         # Section 13: one region for the run, attached to each connection to a unix+shm://
@@ -553,7 +557,8 @@ class RemoteDraftClient:
                 epoch = self.epoch
                 self.stats.set("connected", True)  # under the lock, as the drop is
                 self.stats.set("epoch", epoch)
-                self._backoff_ms = self.cfg.backoff_ms
+                if not self._failing_replies:  # else the next good reply resets it
+                    self._backoff_ms = self.cfg.backoff_ms
         if stale:  # HELLO again at once under the new id
             conn.close()
             return self.connect_now()
@@ -852,7 +857,8 @@ class RemoteDraftClient:
                 self._ready = True
                 self.epoch += 1
                 epoch = self.epoch
-                self._backoff_ms = self.cfg.backoff_ms
+                if not self._failing_replies:
+                    self._backoff_ms = self.cfg.backoff_ms
                 self._endpoint = self._session_endpoint = target
         finally:
             self._io_lock.release()
@@ -1006,6 +1012,10 @@ class RemoteDraftClient:
             if shm_at is not None:
                 counts["steps_shm"] = 1
             if out.ok and out.reply is not None:
+                if self._failing_replies:
+                    self._failing_replies = 0
+                    with self._lock:
+                        self._backoff_ms = self.cfg.backoff_ms
                 counts["steps_ok"] = 1
                 counts["rtt_us_total"] = rtt_us
                 counts["worker_us_total"] = out.reply.worker_us
@@ -1099,6 +1109,7 @@ class RemoteDraftClient:
         self.stats.inc("bad_replies")
         self.stats.set("last_bad_reply", str(e))
         log.warning("remote DSpark: STEP reply refused (round fails, slots resync): %s", e)
+        self._failing_replies += 1
         self.mark_failed(f"bad reply: {e}")
         return StepOutcome(False, reason="bad_reply", rtt_us=rtt_us, unknown_apply=True)
 
@@ -1127,6 +1138,7 @@ class RemoteDraftClient:
         elif status == wire.ST_INTERNAL:
             # The worker dropped the session; HELLO again, after a backoff delay so that a
             # worker failing every STEP is not hammered.
+            self._failing_replies += 1
             self.mark_failed(f"STEP refused: {name}")
         elif status not in wire.FRAME_STATUS_NAMES:
             self.mark_failed(f"STEP answered unknown status {status}")

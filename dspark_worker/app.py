@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from protocol.auth import read_secret_file
@@ -42,7 +43,7 @@ from .config import (
 from .dispatch import Dispatcher, WorkerInfo, rss_bytes
 from .metrics import Metrics
 from .runner import Runner, new_device_thread
-from .server import MetricsServer, WorkerServer, bind_tcp, bind_unix
+from .server import MetricsServer, WorkerServer, bind_tcp, bind_unix, unlink_own_socket
 from .sessions import SessionTable
 from .shm import ShmOps, cuda_host_register
 
@@ -131,6 +132,20 @@ def load_drafter_for(config: WorkerConfig) -> Any:
                         device=device, dtype=dtype, draft_topk=config.dspark_draft_topk)
 
 
+def self_check(d: Any) -> str | None:
+    """One draft through the serving path on a scratch pool, rows of ones: None when its
+    confidences and margins are finite, else what is wrong (NaN weights, a broken kernel)."""
+    pool = d.new_pool(1, 4)
+    lanes = pool.allocate(1)
+    one = np.full((4, d.row_bytes // 2), 0x3F80, dtype=np.uint16)  # bf16 1.0
+    pool.apply(lanes, np.array([4]), np.array([4]), np.ones(1, dtype=bool),
+               one.view(np.uint8))
+    r = d.draft(pool, lanes, np.array([4]), np.zeros(1, dtype=np.int64))
+    if np.isfinite(r.confidence).all() and np.isfinite(r.margin).all():
+        return None
+    return "the drafter's confidences or margins are not finite (NaN or inf)"
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -181,6 +196,9 @@ class WorkerApp:
             return False, "draining"
         if not self.ready:
             return False, "loading"
+        broken = self.dispatcher.outputs_broken if self.dispatcher is not None else None
+        if broken is not None:
+            return False, f"drafter outputs are broken: {broken}"
         return True, "ok"
 
     def liveness(self) -> tuple[bool, str]:
@@ -241,10 +259,15 @@ class WorkerApp:
         self.metrics.window_memory.set(self.pool.nbytes)
         for text in config_warnings(c, d.row_bytes):
             log.warning("%s", text)
+        broken: str | None = None
         if c.warmup:
             t1 = time.perf_counter()
             await loop.run_in_executor(self._device, d.warmup)
+            broken = await loop.run_in_executor(self._device, self_check, d)
             log.info("warmed up in %.2f s", time.perf_counter() - t1)
+            if broken is not None:
+                log.error("the drafter's own check failed: %s; /healthz answers 503 and every"
+                          " STEP ST_INTERNAL until it drafts finite values", broken)
         await self._prepare_graphs(loop, d)
 
         info = WorkerInfo(
@@ -261,19 +284,23 @@ class WorkerApp:
                                  drafter_identity=info.drafter_identity.hex(),
                                  markov_identity=info.markov_identity.hex()).set(1)
         table = SessionTable(max_sessions=c.max_sessions, lane_capacity=c.max_total_slots,
-                             idle_s=c.session_idle_s)
+                             idle_s=c.session_idle_s, unused_idle_s=c.handshake_timeout_s,
+                             max_per_peer=c.sessions_per_peer)
         holder: dict[str, Dispatcher] = {}
         self.runner = Runner(d, self.pool, window=c.window,
                              complete=lambda item: holder["d"].complete(item),
                              on_batch=lambda s, e: holder["d"].record_batch(s, e),
                              device_thread=self._device)
         shm = ShmOps(c.max_shm_region_bytes if c.unix else 0,
-                     register=cuda_host_register if device.startswith("cuda") else None)
+                     register=cuda_host_register if device.startswith("cuda") else None,
+                     max_mapped_bytes=c.max_shm_mapped_bytes)
+        self.metrics.shm_mapped.set_function(lambda: shm.mapped_bytes)
         self.dispatcher = Dispatcher(info, table, self.runner, self.metrics, secret=secret,
                                      shed_queue_steps=c.shed_queue_steps,
                                      max_frame_bytes=frame_limit(c, d.row_bytes),
                                      stats_extra=self._stats_extra, shm=shm)
         holder["d"] = self.dispatcher
+        self.dispatcher.outputs_broken = broken
         self.runner.start(on_death=self._runner_died)
         factory = pinned_factory() if device.startswith("cuda") else bytearray
         # Keep an idle receive buffer per size class for every session held: each engine may
@@ -349,6 +376,8 @@ class WorkerApp:
                     raise StartupError(f"{what} {path}: folder {folder} does not exist")
                 if not os.access(folder, os.W_OK | os.X_OK):
                     raise StartupError(f"{what} {path}: folder {folder} is not writable")
+        if c.port_file and os.path.isdir(c.port_file):
+            raise StartupError(f"port file {c.port_file}: is a directory; name a file in it")
         if c.listen:
             host, port = parse_host_port(c.listen)
             try:
@@ -378,10 +407,9 @@ class WorkerApp:
             self._tcp_sock.close()
             self._tcp_sock = None
         if self._unix_sock is not None:
+            unlink_own_socket(self.config.unix or "", self._unix_sock)
             self._unix_sock.close()
             self._unix_sock = None
-            with contextlib.suppress(OSError):
-                os.unlink(self.config.unix or "")
 
     def _runner_died(self, exc: BaseException) -> None:
         """Nothing can be drafted any more: say so on /healthz and stop, so that the
@@ -395,9 +423,11 @@ class WorkerApp:
         c = self.config
         return {"max_slots": c.max_slots, "max_rows_per_step": c.max_rows_per_step,
                 "max_sessions": c.max_sessions, "max_total_slots": c.max_total_slots,
+                "max_sessions_per_peer": c.sessions_per_peer,
                 "max_connections": c.max_connections,
                 "max_frame_bytes": frame_limit(c, row_bytes),
                 "max_shm_region_bytes": c.max_shm_region_bytes if c.unix else 0,
+                "max_shm_mapped_bytes": c.max_shm_mapped_bytes,
                 "session_idle_s": c.session_idle_s,
                 "partial_frame_timeout_s": c.partial_frame_timeout_s,
                 "handshake_timeout_s": c.handshake_timeout_s,
@@ -441,7 +471,9 @@ class WorkerApp:
         os.replace(tmp, path)  # readers never see half a file
 
     async def _expire_loop(self) -> None:
-        interval = min(EXPIRY_SCAN_MAX_S, max(self.config.session_idle_s / 10, 0.05))
+        c = self.config
+        interval = min(EXPIRY_SCAN_MAX_S, max(min(c.session_idle_s, c.handshake_timeout_s) / 10,
+                                              0.05))
         while True:
             await asyncio.sleep(interval)
             if self.dispatcher is not None:
@@ -455,6 +487,14 @@ class WorkerApp:
     async def run(self, install_signals: bool = True) -> int:
         """Start, serve until SIGTERM/SIGINT (or ``request_stop``), drain; the exit code."""
         loop = asyncio.get_running_loop()
+        if install_signals:
+            # Signals whose default action kills the process at once, with no log line and no
+            # drain (a logrotate "kill -HUP" would): SIGHUP and SIGUSR1/2 are logged and
+            # otherwise ignored (the log goes to stderr: nothing to reopen; SIGUSR1/2 also
+            # write every thread's stack to stderr), SIGQUIT shuts down like SIGTERM.
+            for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+                loop.add_signal_handler(sig, self._on_harmless_signal, sig)
+            loop.add_signal_handler(signal.SIGQUIT, self._on_signal, signal.SIGQUIT)
         try:
             await self.start()
         except BaseException:
@@ -468,6 +508,16 @@ class WorkerApp:
         if self._stop_event is not None:
             await self._stop_event.wait()
         return await self.stop()
+
+    def _on_harmless_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if sig == signal.SIGHUP:
+            log.info("SIGHUP: ignored (the log goes to stderr; nothing to reopen or reload)")
+            return
+        log.info("%s: ignored; the stacks of every thread follow on stderr", name)
+        import faulthandler
+
+        faulthandler.dump_traceback(all_threads=True)
 
     def _on_signal(self, sig: int) -> None:
         if self._stop_event is not None and self._stop_event.is_set():

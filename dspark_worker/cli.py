@@ -24,6 +24,7 @@ from .config import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_ROWS_PER_STEP,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_SHM_MAPPED_BYTES,
     DEFAULT_MAX_SHM_REGION_BYTES,
     DEFAULT_MAX_SLOTS,
     DEFAULT_MAX_TOTAL_SLOTS,
@@ -76,11 +77,18 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
     ("max_sessions", "N", int,
      f"most sessions held at once; a HELLO over it gets ST_BUSY. Default:"
      f" {DEFAULT_MAX_SESSIONS}."),
+    ("max_sessions_per_peer", "N", int,
+     "most sessions one peer host (all Unix connections together) may hold; a HELLO over"
+     " it gets ST_BUSY. Set it where the port is reachable by hosts other than the engines'"
+     " and there is no shared secret, so one host cannot take every session. Default: 0 ="
+     " max_sessions (no limit of its own)."),
     ("max_total_slots", "N", int,
      f"window rings reserved at start for all sessions together; a HELLO whose max_slots"
      f" does not fit in what is free gets ST_BUSY. Default: {DEFAULT_MAX_TOTAL_SLOTS}."),
     ("max_connections", "N", int,
-     f"open connections; more are closed at once. Default: {DEFAULT_MAX_CONNECTIONS}."),
+     f"open connections. At the limit a new one pushes out the oldest connection that holds"
+     f" no session; when every one holds a session it is closed at once. Default:"
+     f" {DEFAULT_MAX_CONNECTIONS}."),
     ("max_frame_bytes", "BYTES", int,
      "largest frame body accepted; a larger one gets ST_BAD_FRAME and the connection is"
      " closed, and a HELLO whose largest STEP would be larger gets ST_LIMITS. Default: 0 ="
@@ -89,6 +97,11 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
      f"largest shared-memory rows region (a sealed memfd) one Unix connection may attach"
      f" (section 13); larger gets ST_LIMITS. 0 offers none. Default:"
      f" {DEFAULT_MAX_SHM_REGION_BYTES}."),
+    ("max_shm_mapped_bytes", "BYTES", int,
+     f"what the shared-memory regions of every connection may map together: the pages the"
+     f" worker reads are charged to its memory (page-locked on CUDA). A region over it gets"
+     f" ST_LIMITS (its client sends rows on the socket). 0 = no limit of its own. Default:"
+     f" {DEFAULT_MAX_SHM_MAPPED_BYTES}."),
     ("session_idle_s", "SECONDS", float,
      f"a session with no frame for this long is dropped with its windows. Default:"
      f" {DEFAULT_SESSION_IDLE_S:g}."),
@@ -97,7 +110,8 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
      f" {DEFAULT_PARTIAL_FRAME_TIMEOUT_S:g}."),
     ("handshake_timeout_s", "SECONDS", float,
      f"a connection that holds no session and sends no frame for this long is closed (from"
-     f" connect until its HELLO; a health checker's PING or STATS restarts the clock)."
+     f" connect until its HELLO; a health checker's PING or STATS restarts the clock); and"
+     f" a session that never sent a STEP is dropped this long after its connection went."
      f" Default: {DEFAULT_HANDSHAKE_TIMEOUT_S:g}."),
     ("connection_idle_s", "SECONDS", float,
      f"a connection whose session is gone (expired, replaced, HELLOed on another"

@@ -77,6 +77,9 @@ MIN_FRAME_BYTES: Final = 64 << 10
 # space and what one connection can make the device read: the largest legal STEP's rows at the
 # default limits (4096 rows of Qwen3-8B's 40 KiB) fit. 0 offers no regions (no CAP_SHM_ROWS).
 DEFAULT_MAX_SHM_REGION_BYTES: Final = 256 << 20
+# Section 13: what every connection's regions may map together. The pages the worker reads are
+# charged to it (and page-locked on CUDA): four of the largest regions, or many smaller ones.
+DEFAULT_MAX_SHM_MAPPED_BYTES: Final = 4 * DEFAULT_MAX_SHM_REGION_BYTES
 # Largest body a connection that holds no session may send (HELLO is 160 bytes, PING, STATS and
 # GOODBYE have none): a stranger's frames cost the worker at most this much each (section 11).
 SESSIONLESS_MAX_BODY_BYTES: Final = 4 << 10
@@ -84,6 +87,9 @@ SESSIONLESS_MAX_BODY_BYTES: Final = 4 << 10
 # clears its predecessor's state, 6.2), except one whose connection is open and that had a frame
 # this recently: that is a second live engine using the same name, and both are served.
 LIVE_SESSION_S: Final = 5.0
+# Connections without a session one peer host may hold; its next one closes its oldest. A
+# health checker or a tool needs one or two; an engine's connection holds a session.
+MAX_SESSIONLESS_PER_PEER: Final = 16
 
 # The draft step as one captured CUDA graph per batch bucket (auto: on CUDA, after a start-up
 # self-check against the eager step), or always eager (off).
@@ -122,10 +128,12 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_slots: int = DEFAULT_MAX_SLOTS
     max_rows_per_step: int = DEFAULT_MAX_ROWS_PER_STEP
     max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_sessions_per_peer: int = 0  # 0: max_sessions
     max_total_slots: int = DEFAULT_MAX_TOTAL_SLOTS
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_frame_bytes: int = 0  # 0: the largest legal STEP for max_slots and max_rows_per_step
     max_shm_region_bytes: int = DEFAULT_MAX_SHM_REGION_BYTES
+    max_shm_mapped_bytes: int = DEFAULT_MAX_SHM_MAPPED_BYTES
     session_idle_s: float = DEFAULT_SESSION_IDLE_S
     partial_frame_timeout_s: float = DEFAULT_PARTIAL_FRAME_TIMEOUT_S
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
@@ -151,6 +159,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"{field}: {value!r} {why}", field=field, value=value)
 
     @property
+    def sessions_per_peer(self) -> int:
+        return min(self.max_sessions_per_peer or self.max_sessions, self.max_sessions)
+
+    @property
     def resolved_worker_name(self) -> str:
         return self.worker_name or default_worker_name()
 
@@ -174,6 +186,10 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
     positive_int("max_slots", 0xFFFFFFFF)
     positive_int("max_rows_per_step", 0xFFFFFFFF)
     positive_int("max_sessions")
+    if isinstance(c.max_sessions_per_peer, bool) or not isinstance(c.max_sessions_per_peer, int) \
+            or c.max_sessions_per_peer < 0:
+        out.append(("max_sessions_per_peer", c.max_sessions_per_peer,
+                    "is not a non-negative integer (0: max_sessions)"))
     positive_int("max_total_slots")
     positive_int("max_connections")
     positive_int("shed_queue_steps")
@@ -188,6 +204,9 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
     if isinstance(c.max_shm_region_bytes, bool) or c.max_shm_region_bytes < 0:
         out.append(("max_shm_region_bytes", c.max_shm_region_bytes,
                     "is negative (0 offers no shared-memory regions)"))
+    if isinstance(c.max_shm_mapped_bytes, bool) or c.max_shm_mapped_bytes < 0:
+        out.append(("max_shm_mapped_bytes", c.max_shm_mapped_bytes,
+                    "is negative (0: no limit of its own)"))
     positive_seconds("partial_frame_timeout_s")
     positive_seconds("handshake_timeout_s")
     positive_seconds("connection_idle_s")
@@ -382,6 +401,10 @@ def config_warnings(config: WorkerConfig, row_bytes: int) -> list[str]:
         out.append(f"max_slots {config.max_slots} is above max_total_slots"
                    f" {config.max_total_slots}: a session can use at most"
                    f" {config.max_total_slots} slots, and a HELLO asking for more gets ST_BUSY")
+    if config.unix and 0 < config.max_shm_mapped_bytes < config.max_shm_region_bytes:
+        out.append(f"max_shm_mapped_bytes {config.max_shm_mapped_bytes} is below"
+                   f" max_shm_region_bytes {config.max_shm_region_bytes}: a region larger than"
+                   f" {config.max_shm_mapped_bytes} bytes is refused ST_LIMITS")
     return out
 
 

@@ -71,10 +71,12 @@ STEP's last byte to its reply (the ``worker_us`` of 7.4).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -101,6 +103,7 @@ from protocol.constants import (
     SAMPLE_MODE_NAMES,
     SAMPLE_TOP32,
     SF_ROWS_SHM,
+    ST_AUTH,
     ST_DRAINING,
     ST_INTERNAL,
     ST_NO_SESSION,
@@ -132,11 +135,20 @@ from protocol.validate import check_step_shape
 from .acceptance import WorkerAcceptance
 from .config import LIVE_SESSION_S, max_step_body_bytes
 from .metrics import Metrics
-from .runner import LaneOp, Runner, StepItem, reply_bytes
+from .runner import LaneOp, NonFiniteOutput, Runner, StepItem, reply_bytes
 from .sessions import DropReason, Outcome, Session, SessionTable, plan_step
 from .shm import ShmOps
 
 log = logging.getLogger(__name__)
+
+# HELLOs with a wrong tag one connection may send before it is closed; a peer host that sent
+# this many within the window is closed after each one.
+AUTH_FAILURES_PER_CONNECTION = 3
+AUTH_FAILURES_PER_PEER = 20
+AUTH_WINDOW_S = 60.0
+# A STATS body for connections without a session is reused for this long at most (while no
+# other frame came): a peer pipelining STATS gets the same bytes, not a fresh JSON each time.
+STATS_CACHE_S = 0.25
 
 Buffer = bytes | bytearray | memoryview
 
@@ -279,6 +291,9 @@ class Dispatcher:
         self.ready = True
         self.last_frame_at = 0.0  # perf_counter of the newest frame: the drain ends when quiet
         self.connected: Callable[[int], bool] = lambda conn_id: True
+        # Called with a connection id whose session just went (dropped or moved away): the
+        # server unmaps that connection's shared-memory region.
+        self.session_left: Callable[[int], None] = lambda conn_id: None
         self._handlers: dict[int, Callable[[Conn, Frame, float], Reply | None]] = {
             OP_HELLO: self._hello,
             OP_STEP: self._step,
@@ -291,6 +306,15 @@ class Dispatcher:
         # Section 13: shared-memory rows regions (max_region_bytes 0: none offered).
         self.shm = shm if shm is not None else ShmOps(0)
         self._refusal_log = RateLimitedLog(log)
+        # Bumped by every frame but PING and STATS, every STEP answered and every session
+        # dropped: a cached STATS body is reused only while it stays the same.
+        self.state_version = 0
+        # Why the drafter's latest outputs were refused (not finite), until a STEP drafts
+        # finite values again; /healthz answers 503 meanwhile.
+        self.outputs_broken: str | None = None
+        self._stats_cache: tuple[tuple[int, bool, bool], float, bytes] | None = None
+        # peer host -> (window start, HELLOs whose tag did not verify since)
+        self._auth_failures: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._dropped_counts: dict[str, int] = {}
         self._hello_reply_ok: dict[tuple[bool, int], bytes] = {}
         self.acceptance = WorkerAcceptance(info.num_spec, metrics.registry)
@@ -317,6 +341,8 @@ class Dispatcher:
                                     field="status", value=h.status, limit=0)
             if self.draining and h.op in (OP_HELLO, OP_STEP):
                 raise DrainingError("the worker is shutting down; connect to another worker")
+            if h.op not in (OP_PING, OP_STATS):
+                self.state_version += 1
             if fr.discarded:  # section 3: the connection's session is gone; the body was dropped
                 raise NoSessionError(
                     f"session {h.session:#010x} is not held on this connection (its session is"
@@ -345,6 +371,8 @@ class Dispatcher:
         # ST_DRAINING closes too: a client that does not know the status reconnects, and the
         # drain ends sooner (app.WorkerApp.stop waits for the connections to go).
         close = status in (ST_VERSION, ST_DRAINING) or isinstance(exc, FrameTooLargeError)
+        if status == ST_AUTH:
+            close = self._auth_failed(conn) or close
         body: bytes = b""
         if h.op == OP_HELLO:
             body = self.info.hello_reply().pack()
@@ -359,6 +387,24 @@ class Dispatcher:
                                   FRAME_STATUS_NAMES[status], exc,
                                   "; closing the connection" if close else "")
         return Reply(self._frame(h, status, body), close=close)
+
+    def _auth_failed(self, conn: Conn) -> bool:
+        """Count a HELLO whose tag does not verify; True: close the connection after the reply.
+        A connection gets AUTH_FAILURES_PER_CONNECTION tries; a peer host with
+        AUTH_FAILURES_PER_PEER of them within AUTH_WINDOW_S gets one try per connection, so
+        each guess costs it a new connection (counted, and pushed out first, section 11)."""
+        n = getattr(conn, "auth_failures", 0) + 1
+        with contextlib.suppress(AttributeError):
+            conn.auth_failures = n  # type: ignore[attr-defined]
+        now = self.clock()
+        peers = self._auth_failures
+        start, count = peers.pop(conn.peer_host, (now, 0))
+        if now - start >= AUTH_WINDOW_S:
+            start, count = now, 0
+        peers[conn.peer_host] = (start, count + 1)
+        while len(peers) > 4096:
+            peers.popitem(last=False)
+        return n >= AUTH_FAILURES_PER_CONNECTION or count + 1 >= AUTH_FAILURES_PER_PEER
 
     @staticmethod
     def _frame(h: AppHeader, status: int, body: Buffer = b"") -> bytes:
@@ -389,7 +435,12 @@ class Dispatcher:
         def live(other: Session) -> bool:  # another engine's, in use: not a dead predecessor
             return self.connected(other.conn_id) and now - other.last_active < LIVE_SESSION_S
 
-        result = self.table.hello(h.session, h.seq, hello, conn.conn_id, now, live)
+        before = self.table.get(h.session)
+        moved_from = before.conn_id if before is not None else 0
+        result = self.table.hello(h.session, h.seq, hello, conn.conn_id, now, live,
+                                  conn.peer_host)
+        if moved_from and moved_from != conn.conn_id:
+            self.session_left(moved_from)
         for s, reason in result.dropped:
             self._dropped(s, reason, f"by session {h.session:#010x} from {conn.peer}")
         for other in result.kept:
@@ -521,6 +572,7 @@ class Dispatcher:
     def complete(self, item: StepItem) -> None:
         """The runner is done with a STEP (loop thread): reply, account, recycle its buffer."""
         t_back = time.perf_counter()
+        self.state_version += 1
         conn, h, m = item.conn, item.header, self.metrics
         conn.release_storage(item.storage)
         item.storage = None
@@ -531,6 +583,8 @@ class Dispatcher:
             return
         if item.error is not None or item.reply is None:
             exc = item.error
+            if isinstance(exc, NonFiniteOutput):
+                self.outputs_broken = str(exc)
             log.error("STEP seq %d of session %#010x failed on the device: %s: %s",
                       h.seq, h.session, type(exc).__name__, exc,
                       exc_info=exc if not isinstance(exc, WireError) else None)
@@ -552,6 +606,8 @@ class Dispatcher:
             else:
                 m.request_statuses(np.bincount(status))
         m.drafted(item.n_drafted)
+        if item.n_drafted and self.outputs_broken is not None:
+            self.outputs_broken = None  # finite drafts again
         item.session.drafted += item.n_drafted
         self.acceptance.step_answered(item)
         m.observe_stage("queue", item.t_start - item.t_queued)
@@ -588,7 +644,16 @@ class Dispatcher:
         if h.session:
             s = self.table.bound(h.session, conn.conn_id, h.seq)
             self.table.touch(s, h.seq, self.clock())
-        return self._ok(h, msgspec.json.encode(self.stats(viewer=conn.conn_id)))
+        if conn.session_id:  # its own sessions' entries show their ids: made for it alone
+            return self._ok(h, msgspec.json.encode(self.stats(viewer=conn.conn_id)))
+        # The view of a connection that never held a session is the same for all of them: a
+        # STATS repeated while nothing else happened is answered from the last one.
+        now = self.clock()
+        key = (self.state_version, self.draining, self.ready)
+        cached = self._stats_cache
+        if cached is None or cached[0] != key or now - cached[1] >= STATS_CACHE_S:
+            cached = self._stats_cache = (key, now, msgspec.json.encode(self.stats()))
+        return self._ok(h, cached[2])
 
     def _reset(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
         h = fr.header
@@ -624,10 +689,11 @@ class Dispatcher:
 
     # -- sessions ---------------------------------------------------------------------------------
     def expire_idle(self) -> int:
-        gone = self.table.expire(self.clock())
+        gone = self.table.expire(self.clock(), self.connected)
         for s in gone:
             self._dropped(s, DropReason.EXPIRED,
-                          f"after {self.table.idle_s:.0f} s without a frame")
+                          f"after {self.table.idle_s:.0f} s without a frame" if s.steps else
+                          f"no STEP and no connection for {self.table.unused_idle_s:g} s")
         return len(gone)
 
     def _drop(self, s: Session, reason: DropReason, why: str) -> None:
@@ -636,8 +702,10 @@ class Dispatcher:
 
     def _dropped(self, s: Session, reason: DropReason, why: str) -> None:
         """After the table let ``s`` go: free its lanes in order with the STEPs, account."""
+        self.state_version += 1
         self.runner.submit(LaneOp("free", s))
         self.acceptance.forget(s)
+        self.session_left(s.conn_id)
         self.metrics.sessions_dropped.labels(reason=reason.value).inc()
         self._dropped_counts[reason.value] = self._dropped_counts.get(reason.value, 0) + 1
         lvl = logging.WARNING if reason is DropReason.INTERNAL else logging.INFO

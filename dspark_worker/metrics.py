@@ -153,6 +153,9 @@ class Metrics:
         self.active_slots = Gauge(f"{p}_active_slots", "Slots with a live generation.",
                                   registry=r)
         self.connections = Gauge(f"{p}_connections_open", "Connections open.", registry=r)
+        self.shm_mapped = Gauge(f"{p}_shm_mapped_bytes",
+                                "Bytes of shared-memory rows regions mapped now (section 13).",
+                                registry=r)
         self.queue_steps = Gauge(f"{p}_queue_steps", "STEPs waiting for the device.",
                                  registry=r)
         self.window_memory = Gauge(f"{p}_window_memory_bytes",

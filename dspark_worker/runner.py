@@ -483,6 +483,11 @@ class Runner:
                 if reply.margin is not None:
                     reply.margin[to] = np.where(live, np.asarray(r.margin)[sl, :N], 0.0)
                 item.n_drafted = int(ks.sum())
+            if not (np.isfinite(reply.confidence[to]).all()
+                    and (reply.margin is None or np.isfinite(reply.margin[to]).all())):
+                # A broken checkpoint (NaN weights): a wrong answer, not a draft to send.
+                raise NonFiniteOutput("the drafter's confidences or margins are not finite (NaN"
+                                      " or inf): its weights or inputs are broken")
             if reply.sampled_mask is not None and reply.support_ids is not None \
                     and reply.proposal_q is not None:
                 smp = item.view.entries["top_k"][idx] > 0  # greedy entries carry no q
@@ -497,6 +502,10 @@ class Runner:
                     reply.support_ids[rows] = support
                     reply.proposal_q[rows] = q
         item.reply = reply
+
+
+class NonFiniteOutput(InternalError):
+    """The drafter's output is not finite: answered ST_INTERNAL, and /healthz says so."""
 
 
 def new_device_thread() -> ThreadPoolExecutor:

@@ -5,7 +5,8 @@
   receives straight into ``protocol.framing.FrameDecoder``'s memory: headers into a scratch
   buffer, each body into storage from the ``BufferPool`` (pinned on CUDA), so a rows region is
   never re-assembled from chunks. Frames of one connection are answered one at a time, in order
-  (the contract allows one request in flight); a few more are buffered, then reading pauses.
+  (the contract allows one request in flight); a few more are buffered, then reading pauses,
+  and at most ``FRAMES_PER_TURN`` are answered per turn of the event loop.
   Replies are written from one buffer per connection, reused while the transport holds no part
   of it. A wrong magic closes the connection; a body over its limit is answered ST_BAD_FRAME
   and closes it; a frame that stays incomplete past the partial-frame deadline closes it.
@@ -18,8 +19,8 @@
   engine HELLOs again instead of being cut off.
 * ``WorkerServer`` accepts on TCP (``TCP_NODELAY``) and Unix listeners (sockets bound before the
   drafter loads, see ``bind_tcp``), enforces the connection limit, closes connections that hold
-  no session and stay silent (``handshake_timeout_s``, ``connection_idle_s``) and drains on
-  shutdown.
+  no session and stay silent (``handshake_timeout_s``, ``connection_idle_s``), pushes those out
+  first when a peer holds too many of them or the limit is reached, and drains on shutdown.
 * ``MetricsServer`` is a small HTTP/1.0 server for ``/metrics`` (Prometheus text format),
   ``/healthz`` (readiness: 200 once the drafter is loaded and warm, 503 before and while
   draining) and ``/livez`` (liveness: 200 while the process serves, 503 once its runner died).
@@ -31,11 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
 import socket
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +55,7 @@ from .config import (
     DEFAULT_CONNECTION_IDLE_S,
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     MAX_PENDING_FRAMES_PER_CONNECTION,
+    MAX_SESSIONLESS_PER_PEER,
     SESSIONLESS_MAX_BODY_BYTES,
 )
 from .dispatch import Buffer, Dispatcher, RateLimitedLog
@@ -72,6 +76,15 @@ RCVLOWAT_CAP = 1 << 20
 # Ops that act on the header's session: on a connection whose session is gone, one of them
 # with a body over the sessionless limit is answered ST_NO_SESSION unbuffered (section 3).
 SESSION_OPS = frozenset({OP_STEP, OP_RESET, OP_GOODBYE, OP_SHM_ATTACH})
+# Frames of one connection answered in one turn of the event loop; the rest wait for the next
+# turn (and reading pauses meanwhile): a peer pipelining thousands of cheap frames in one
+# receive cannot hold the loop while other connections and new ones wait.
+FRAMES_PER_TURN = 4
+# A connection without a session (PING, STATS, HELLO attempts) is answered at most this many
+# frames per second after a burst: a health checker or a tool sends a few, a peer that sends
+# more waits (with reading paused), so floods of them cannot take the loop from the engines.
+SESSIONLESS_FRAMES_PER_S = 100.0
+SESSIONLESS_BURST = 32
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -87,6 +100,7 @@ class Connection(asyncio.BufferedProtocol):
         self.peer = "?"
         self.peer_host = "?"  # the peer without its port: what refusal logs are counted by
         self.session_id = 0  # the session of the latest HELLO accepted here (dispatch sets it)
+        self.auth_failures = 0  # HELLOs refused ST_AUTH here (dispatch counts them)
         self.last_frame = time.monotonic()  # connect, then each complete frame
         self.transport: asyncio.Transport | None = None
         self.decoder = FrameDecoder(max_body=server.max_frame_bytes, alloc=server.buffers.alloc,
@@ -99,6 +113,9 @@ class Connection(asyncio.BufferedProtocol):
         self.close_reason = "peer"
         self.read_paused = False
         self.write_paused = False
+        self._pump_soon = False  # a _pump is scheduled for the next loop turn
+        self._tokens = float(SESSIONLESS_BURST)  # frames answered while without a session
+        self._tokens_at = time.monotonic()
         self._reply_buf: bytearray | None = None
         self._partial_since: float | None = None
         self._partial_timer: asyncio.TimerHandle | None = None
@@ -212,25 +229,26 @@ class Connection(asyncio.BufferedProtocol):
         s = self.dispatcher.table.get(self.session_id)
         return s is not None and s.conn_id == self.conn_id
 
-    @property
-    def session_gone(self) -> bool:
-        """A session was bound here and is not any more (replaced, dropped, expired, moved)."""
-        return bool(self.session_id) and not self.has_session
+    def _bound(self, h: AppHeader) -> bool:
+        """The header's session is held and bound to this connection."""
+        s = self.dispatcher.table.get(h.session) if h.session else None
+        return s is not None and s.conn_id == self.conn_id
 
     def _body_limit(self, h: AppHeader) -> tuple[int, str]:
-        if self.has_session:  # bodies other than STEP still grow only with what arrives
+        if self.has_session or self._bound(h):  # bodies but STEP grow with what arrives
             return self.server.max_frame_bytes, "(the frame limit)"
         return SESSIONLESS_MAX_BODY_BYTES, "for a connection without a session"
 
     def _discard(self, h: AppHeader) -> bool:
-        """A frame of a session op on a connection whose session is gone: answered
-        ST_NO_SESSION from its header (the client HELLOs again), its body read and dropped."""
-        return h.op in SESSION_OPS and h.body_len > SESSIONLESS_MAX_BODY_BYTES \
-            and self.session_gone
+        """A frame of a session op, on a connection that held a session, for a session that
+        is not bound here (any more): answered ST_NO_SESSION from its header (the client HELLOs
+        again), its body read and dropped."""
+        return (h.op in SESSION_OPS and h.body_len > SESSIONLESS_MAX_BODY_BYTES
+                and bool(self.session_id) and not self._bound(h))
 
     def _trusted(self, h: AppHeader) -> bool:
         """Whether a body's storage may be taken whole from its header alone."""
-        return h.op == OP_STEP and self.has_session
+        return h.op == OP_STEP and self._bound(h)
 
     def idle_close_reason(self, now: float) -> str | None:
         """Why this connection should be closed now for holding no session and staying silent
@@ -272,7 +290,19 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- inner work -------------------------------------------------------------------------------
     def _pump(self) -> None:
+        self._pump_soon = False
+        budget = FRAMES_PER_TURN
         while self.pending and not self.busy and not self.closing and not self.write_paused:
+            if budget == 0:  # a pipelining peer waits its turn: the loop serves everyone else
+                self._pump_soon = True
+                asyncio.get_running_loop().call_soon(self._pump_later)
+                break
+            wait = 0.0 if self.has_session else self._take_token()
+            if wait > 0:  # a connection without a session past its rate: later
+                self._pump_soon = True
+                asyncio.get_running_loop().call_later(wait, self._pump_later)
+                break
+            budget -= 1
             fr, t_arrival = self.pending.popleft()
             reply = self.dispatcher.handle(self, fr, t_arrival)
             if self.shm.fds:
@@ -290,6 +320,23 @@ class Connection(asyncio.BufferedProtocol):
                 and not self.server.draining and self._fd_rx is None):
             self.read_paused = False
             self.transport.resume_reading()
+
+    def _take_token(self) -> float:
+        """Token bucket of a connection without a session: 0 and one token taken, or the
+        seconds until the next one."""
+        now = time.monotonic()
+        tokens = min(float(SESSIONLESS_BURST),
+                     self._tokens + (now - self._tokens_at) * SESSIONLESS_FRAMES_PER_S)
+        self._tokens_at = now
+        if tokens >= 1.0:
+            self._tokens = tokens - 1.0
+            return 0.0
+        self._tokens = tokens
+        return (1.0 - tokens) / SESSIONLESS_FRAMES_PER_S
+
+    def _pump_later(self) -> None:
+        if self._pump_soon:
+            self._pump()
 
     def _write(self, data: Buffer) -> None:
         if self.transport is None or self.closing:
@@ -431,11 +478,22 @@ class WorkerServer:
         self.connections: dict[int, Connection] = {}
         self.draining = False
         self.unix_path: str | None = None
+        self._unix_sock: socket.socket | None = None
         self.tcp_address: tuple[str, int] | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._log = RateLimitedLog(log)
         self._sweeper: asyncio.Task[None] | None = None
         dispatcher.connected = lambda conn_id: conn_id in self.connections
+        dispatcher.session_left = self._session_left
+
+    def _session_left(self, conn_id: int) -> None:
+        """A session of this connection went: a region it attached is unmapped once the
+        connection holds no session (its memory is no longer the worker's to hold)."""
+        conn = self.connections.get(conn_id)
+        if conn is not None and conn.shm.region is not None and not conn.has_session:
+            log.info("connection %s: its session is gone; shared-memory region unmapped",
+                     conn.peer)
+            conn.shm.close()
 
     async def listen_tcp(self, host: str, port: int,
                          sock: socket.socket | None = None) -> tuple[str, int]:
@@ -461,6 +519,7 @@ class WorkerServer:
                                             backlog=1024)
         self._servers.append(srv)
         self.unix_path = path
+        self._unix_sock = sock
         return path
 
     # -- connections without a session --------------------------------------------------------
@@ -500,7 +559,38 @@ class WorkerServer:
                 await self._sweeper
             self._sweeper = None
 
+    def _make_room(self, conn: Connection) -> None:
+        """Connections without a session go first (section 11): a new connection from a peer
+        that holds ``MAX_SESSIONLESS_PER_PEER`` of them closes that peer's oldest, and at the
+        connection limit a new one closes the oldest of all; so PINGs that keep idle
+        connections open cannot keep an engine out. Connections that hold a session, or have
+        a STEP with the runner, are never pushed out."""
+        # (Frames waiting on such a connection do not protect it: a peer that pipelines PINGs
+        # past its rate always has some.)
+        idle = [c for c in self.connections.values()
+                if not c.closing and not c.busy and not c.has_session]
+        mine = [c for c in idle if c.peer_host == conn.peer_host]
+        victim: Connection | None = None
+        if len(mine) >= MAX_SESSIONLESS_PER_PEER:
+            victim = min(mine, key=lambda c: c.conn_id)
+            why = (f"{len(mine)} connections without a session from {conn.peer_host}, the limit"
+                   f" per peer is {MAX_SESSIONLESS_PER_PEER}")
+        elif len(self.connections) >= self.max_connections and idle:
+            victim = min(idle, key=lambda c: c.conn_id)
+            why = (f"{len(self.connections)} connections open, the limit is"
+                   f" {self.max_connections}")
+        if victim is None:
+            return
+        self._log.warning(("pushed_out", victim.peer_host),
+                          f"connections without a session pushed out from {victim.peer_host}",
+                          "closing connection from %s (no session) for a new one from %s: %s",
+                          victim.peer, conn.peer, why)
+        victim._close("pushed_out")
+        self.unregister(victim, "pushed_out")  # its slot is free now, before the close lands
+
     def register(self, conn: Connection) -> bool:
+        if not self.draining:
+            self._make_room(conn)
         if self.draining or len(self.connections) >= self.max_connections:
             self.metrics.connections_refused.inc()
             self._log.warning(("refused", conn.peer_host),
@@ -511,6 +601,7 @@ class WorkerServer:
                               f" {self.max_connections}")
             return False
         self.connections[conn.conn_id] = conn
+        self.dispatcher.state_version += 1
         self.metrics.connections_total.inc()
         self.metrics.connections.set(len(self.connections))
         log.debug("connection %d from %s (%s)", conn.conn_id, conn.peer, conn.kind)
@@ -519,6 +610,7 @@ class WorkerServer:
     def unregister(self, conn: Connection, reason: str) -> None:
         if self.connections.pop(conn.conn_id, None) is None:
             return
+        self.dispatcher.state_version += 1
         self.metrics.connections.set(len(self.connections))
         self.metrics.connections_closed.labels(reason=reason).inc()
         log.debug("connection %d from %s closed: %s", conn.conn_id, conn.peer, reason)
@@ -539,8 +631,8 @@ class WorkerServer:
                 await asyncio.wait_for(srv.wait_closed(), 0.5)
         self._servers.clear()
         if self.unix_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self.unix_path)
+            unlink_own_socket(self.unix_path, self._unix_sock)
+            self._unix_sock = None
 
     def busy_connections(self) -> int:
         return sum(1 for c in self.connections.values() if c.busy)
@@ -585,18 +677,54 @@ def bind_tcp(host: str, port: int) -> socket.socket:
 
 
 def bind_unix(path: str) -> socket.socket:
-    """A Unix socket bound to ``path`` (a stale socket file of a previous run is replaced)."""
-    with contextlib.suppress(FileNotFoundError):
-        if os.path.exists(path) and _is_socket(path):
-            os.unlink(path)
+    """A Unix socket bound to ``path``. A socket file left by a run that is gone (nothing
+    accepts on it) is replaced; one that a live process serves is not touched: OSError
+    EADDRINUSE. The socket remembers which file it made, for ``unlink_own_socket``."""
+    if _is_socket(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # stale: no one listens
+        except OSError:
+            pass  # cannot tell (a full backlog, permissions): bind decides
+        else:
+            raise OSError(errno.EADDRINUSE, f"another process is serving on {path} (a second"
+                                            " worker on the same --unix path?)")
+        finally:
+            probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
         sock.setblocking(False)
+        st = os.stat(path)
+        _UNIX_OWNED[sock] = (st.st_dev, st.st_ino)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+# listening socket -> (st_dev, st_ino) of the socket file its bind made (kept after it closes)
+_UNIX_OWNED: weakref.WeakKeyDictionary[socket.socket, tuple[int, int]] = \
+    weakref.WeakKeyDictionary()
+
+
+def unlink_own_socket(path: str, sock: socket.socket | None) -> None:
+    """Remove ``path`` only if it is still the socket file ``sock``'s bind made (another
+    worker may have taken the path since, after all)."""
+    if sock is None or not path:
+        return
+    owned = _UNIX_OWNED.pop(sock, None)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if owned == (st.st_dev, st.st_ino):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 # -- /metrics and /healthz --------------------------------------------------------------------
@@ -654,13 +782,40 @@ class MetricsServer:
                 oldest.transport.abort()
         self._open[writer] = True
 
+    @staticmethod
+    async def _read_head(reader: asyncio.StreamReader) -> str:
+        """The request line, once the head has ended: an empty line (CRLF or a bare LF, as
+        curl -0 and netcat send), or the end of the stream (a client that half-closed)."""
+        first = b""
+        total = 0
+        while True:
+            raw = await reader.readline()
+            total += len(raw)
+            if total > MAX_HTTP_REQUEST_BYTES:
+                raise ValueError(f"request head over {MAX_HTTP_REQUEST_BYTES} bytes")
+            text = raw.rstrip(b"\r\n")
+            if not first:
+                first = text
+            if not raw.endswith(b"\n") or (not text and first):
+                if not first:
+                    raise ConnectionError("closed before a request")
+                return first.decode("latin-1")
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._admit(writer)
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout_s)
+            try:
+                line = await asyncio.wait_for(self._read_head(reader), self.timeout_s)
+            except asyncio.TimeoutError:
+                # Unfinished after the timeout: say so instead of closing without a word.
+                if writer.transport.is_closing():  # pushed out meanwhile
+                    return
+                writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
+                await asyncio.wait_for(writer.drain(), self.timeout_s)
+                return
             if writer in self._open:
                 self._open[writer] = False
-            line = head.split(b"\r\n", 1)[0].decode("latin-1")
             parts = line.split()
             method, target = (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
             path = target.split("?", 1)[0]
@@ -680,7 +835,7 @@ class MetricsServer:
             writer.write(head_out if method == "HEAD" else head_out + body)
             await asyncio.wait_for(writer.drain(), self.timeout_s)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
-                ConnectionError, ValueError):
+                ConnectionError, ValueError, RuntimeError):  # RuntimeError: transport closed
             pass
         finally:
             self._open.pop(writer, None)

@@ -46,6 +46,8 @@ RETIRED_SESSIONS_MAX = 16384
 # replay would target (an engine's previous sessions) survive a churn of other sessions.
 RETIRED_PER_NAME = 4
 RETIRED_NAMES_MAX = 4096
+# Sessions bound to one connection at once: a client holds one (a tool or a test a few).
+MAX_SESSIONS_PER_CONNECTION = 4
 
 
 class Outcome(str, enum.Enum):
@@ -84,6 +86,7 @@ class Session:
         "live",
         "max_slots",
         "n_live",
+        "peer",
         "rows",
         "sampled",
         "session_id",
@@ -106,6 +109,7 @@ class Session:
         self.n_live = 0
         self.lanes: npt.NDArray[np.int64] | None = None  # [max_slots] lane ids, set by runner
         self.alive = True
+        self.peer = ""  # the host of its connection (what per-peer limits count by)
         self.steps = 0
         self.rows = 0
         self.drafted = 0
@@ -195,8 +199,16 @@ class SessionTable:
     """Every session the worker holds, by id."""
 
     def __init__(self, *, max_sessions: int, lane_capacity: int, idle_s: float,
-                 retired_max: int = RETIRED_SESSIONS_MAX) -> None:
+                 retired_max: int = RETIRED_SESSIONS_MAX,
+                 max_per_connection: int = MAX_SESSIONS_PER_CONNECTION,
+                 max_per_peer: int | None = None,
+                 unused_idle_s: float | None = None) -> None:
         self.max_sessions = max_sessions
+        self.max_per_connection = max_per_connection
+        self.max_per_peer = max_sessions if max_per_peer is None else max_per_peer
+        # A session that never sent a STEP and whose connection is gone is dropped after this
+        # (not idle_s): sessions HELLOed and left behind cannot hold the table for long.
+        self.unused_idle_s = idle_s if unused_idle_s is None else min(unused_idle_s, idle_s)
         self.lane_capacity = lane_capacity
         self.idle_s = idle_s
         self.retired_max = retired_max
@@ -223,11 +235,20 @@ class SessionTable:
 
     # -- HELLO (6.2) ------------------------------------------------------------------------------
     def hello(self, session_id: int, seq: int, hello: Hello, conn_id: int,
-              now: float, live: Callable[[Session], bool] | None = None) -> HelloResult:
+              now: float, live: Callable[[Session], bool] | None = None,
+              peer: str = "") -> HelloResult:
         """Accept a HELLO that passed version, auth, identity, geometry and limits: resume,
         re-create or create the session. Raises StaleSeqError or BusyError with nothing
         changed. ``live(s)``: the session ``s`` under the same client name is in use by a live
         engine on another connection, so it is kept, not replaced (``HelloResult.kept``)."""
+        # Others bound here that stay (one under the same client name would be replaced).
+        here = sum(1 for s in self._by_id.values() if s.conn_id == conn_id
+                   and s.session_id != session_id
+                   and not (hello.client_name and s.client_name == hello.client_name))
+        if here >= self.max_per_connection:
+            raise BusyError(f"this connection holds {here} sessions, the limit per connection"
+                            f" is {self.max_per_connection}", field="sessions", value=here,
+                            limit=self.max_per_connection)
         existing = self._by_id.get(session_id)
         clean = hello.without_auth()
         to_drop: list[tuple[Session, DropReason]] = []
@@ -238,6 +259,7 @@ class SessionTable:
                     f" {existing.last_seq}", field="seq", value=seq, limit=existing.last_seq)
             if clean == existing.hello:
                 existing.conn_id = conn_id
+                existing.peer = peer
                 existing.last_seq = seq
                 existing.last_active = now
                 return HelloResult(existing, Outcome.RESUMED)
@@ -259,6 +281,13 @@ class SessionTable:
                     kept.append(s)
                 else:
                     to_drop.append((s, DropReason.REPLACED))
+        going = {s.session_id for s, _ in to_drop} | {session_id}
+        from_peer = sum(1 for s in self._by_id.values()
+                        if s.peer == peer and s.session_id not in going)
+        if from_peer >= self.max_per_peer:
+            raise BusyError(f"{peer or 'this peer'} holds {from_peer} sessions, the limit per"
+                            f" peer is {self.max_per_peer} (--max-sessions-per-peer)",
+                            field="sessions", value=from_peer, limit=self.max_per_peer)
         freed_lanes = sum(s.max_slots for s, _ in to_drop)
         count_after = len(self._by_id) - len(to_drop) + 1
         if count_after > self.max_sessions:
@@ -273,6 +302,7 @@ class SessionTable:
         for s, _ in to_drop:
             self._remove(s)
         session = Session(session_id, hello, conn_id, seq, now)
+        session.peer = peer
         self._by_id[session_id] = session
         self._retired.pop(session_id, None)
         self._retired_by_name.get(hello.client_name, {}).pop(session_id, None)
@@ -323,9 +353,16 @@ class SessionTable:
                                 else plan.n_rows[plan.apply].sum())
 
     # -- life -------------------------------------------------------------------------------------
-    def expire(self, now: float) -> list[Session]:
-        """Drop every session idle for ``idle_s`` or longer; return them."""
-        gone = [s for s in self._by_id.values() if now - s.last_active >= self.idle_s]
+    def expire(self, now: float,
+               connected: Callable[[int], bool] | None = None) -> list[Session]:
+        """Drop every session idle for ``idle_s`` or longer, and every one that never sent a
+        STEP, whose connection is gone (``connected(conn_id)`` false) and that is idle for
+        ``unused_idle_s``; return them."""
+        gone = [s for s in self._by_id.values()
+                if now - s.last_active >= self.idle_s
+                or (connected is not None and not s.steps
+                    and now - s.last_active >= self.unused_idle_s
+                    and not connected(s.conn_id))]
         for s in gone:
             self._remove(s)
         return gone

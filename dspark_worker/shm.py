@@ -119,9 +119,14 @@ class Region:
                 # Runs as the array dies, before the buffer (the mapping) is released.
                 weakref.finalize(arr, unregister)
         self.array: np.ndarray | None = arr
+        self.on_close: Callable[[Region], None] | None = None  # the worker's accounting
 
     def close(self) -> None:
+        """The connection lets go (the mapping itself goes with the last view of it)."""
         self.array = None
+        done, self.on_close = self.on_close, None
+        if done is not None:
+            done(self)
 
 
 class ConnShm:
@@ -225,13 +230,19 @@ class FdReceiver:
 
 
 class ShmOps:
-    """OP_SHM_ATTACH (13.2). ``max_region_bytes`` 0: the worker offers no regions."""
+    """OP_SHM_ATTACH (13.2). ``max_region_bytes`` 0: the worker offers no regions.
+    ``max_mapped_bytes``: what all connections' regions may map together (0: no limit of its
+    own). The pages of a region that the worker reads are charged to the worker (a read of a
+    hole in a sparse memfd allocates it; on CUDA every region is also page-locked), so this
+    bounds the host memory clients can make the worker hold."""
 
-    def __init__(self, max_region_bytes: int, register: Register | None = None) -> None:
+    def __init__(self, max_region_bytes: int, register: Register | None = None,
+                 max_mapped_bytes: int = 0) -> None:
         self.max_region_bytes = max_region_bytes
+        self.max_mapped_bytes = max_mapped_bytes
         self.register = register
-        self.regions_mapped = 0
-        self.mapped_bytes = 0
+        self.regions_mapped = 0  # regions attached so far
+        self.mapped_bytes = 0  # bytes of the regions attached now
 
     def reply(self, region_bytes: int = 0) -> bytes:
         return ShmAttachReply(self.max_region_bytes, region_bytes).pack()
@@ -262,6 +273,7 @@ class ShmOps:
                 raise BadFrameError("SHM_ATTACH OFFER on a connection whose region is already"
                                     " attached", field="phase", value=att.phase)
             check_region_size(att.region_bytes, self.max_region_bytes)
+            self._check_room(att.region_bytes)
             state.offer = att.region_bytes
             conn.expect_fds(FD_HEADER_BYTES)
             return self.reply(0)
@@ -278,14 +290,29 @@ class ShmOps:
                                 f" descriptors{' (and more the kernel cut)' if -1 in fds else ''};"
                                 " it carries exactly one memfd", field="fd",
                                 value=len(fds), limit=1)
+        self._check_room(att.region_bytes)
         region = map_region(fds[0], att.region_bytes, self.max_region_bytes, self.register)
         state.region = region
         self.regions_mapped += 1
         self.mapped_bytes += region.nbytes
+        region.on_close = self._unmapped
         log.info("connection %s: shared-memory rows region of %d bytes mapped%s",
                  getattr(conn, "peer", "?"), region.nbytes,
                  " and page-locked" if region.registered else "")
         return self.reply(region.nbytes)
+
+
+    def _check_room(self, region_bytes: int) -> None:
+        limit = self.max_mapped_bytes
+        if limit and self.mapped_bytes + region_bytes > limit:
+            raise LimitsError(f"SHM_ATTACH region of {region_bytes} bytes: regions of"
+                              f" {self.mapped_bytes} bytes are mapped, the worker's limit is"
+                              f" {limit} bytes (--max-shm-mapped-bytes); rows go on the socket",
+                              field="region_bytes", value=self.mapped_bytes + region_bytes,
+                              limit=limit)
+
+    def _unmapped(self, region: Region) -> None:
+        self.mapped_bytes -= region.nbytes
 
 
 def cuda_host_register(address: int, nbytes: int) -> Unregister | None:

@@ -49,8 +49,10 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
         'checkpoint = "/ckpt"', 'target_checkpoint = "/target"', 'device = "cpu"',
         'dtype = "float32"', "threads = 2", "window = 64", "max_slots = 32",
         "max_rows_per_step = 128",
-        "max_sessions = 4", "max_total_slots = 64", "max_connections = 8",
-        "max_frame_bytes = 1000000", "max_shm_region_bytes = 0", "session_idle_s = 10.5",
+        "max_sessions = 4", "max_sessions_per_peer = 2", "max_total_slots = 64",
+        "max_connections = 8",
+        "max_frame_bytes = 1000000", "max_shm_region_bytes = 0", "max_shm_mapped_bytes = 0",
+        "session_idle_s = 10.5",
         "partial_frame_timeout_s = 2", "handshake_timeout_s = 4", "connection_idle_s = 7",
         "shed_queue_steps = 3", "shutdown_timeout_s = 5", "drain_s = 2.5",
         'listen = "0.0.0.0:9000"', 'unix = "/run/d.sock"', 'metrics_listen = "[::1]:9001"',
@@ -62,7 +64,7 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
     assert given == set(WorkerConfig.__struct_fields__)  # the file names every field
     assert c.max_frame_bytes == 1_000_000 and c.metrics_listen == "[::1]:9001"
     assert c.drain_s == 2.5
-    assert c.max_shm_region_bytes == 0
+    assert c.max_shm_region_bytes == 0 and c.sessions_per_peer == 2
     assert c.cuda_graphs == "off" and c.dspark_draft_topk == 1024
 
 

@@ -161,12 +161,15 @@ def test_hello_auth(drafter: Any, tmp_path: Any) -> None:
         assert_refused(c, make_hello(drafter), ST_AUTH, drafter, secret=b"wrong")
         # auth comes before identity: an unauthenticated peer learns nothing more
         assert_refused(c, make_hello(drafter, drafter_identity=bytes(32)), ST_AUTH, drafter)
+        assert c.is_closed()  # three wrong tags on one connection: closed
+        c = w.connect()
         signed = sign_hello(b"s3cret-value", c.session, c.seq + 1, make_hello(drafter))
         # the tag binds session and seq: the same signed body under another seq is refused
         r = c.request(OP_HELLO, signed.pack(), seq=c.seq + 2)
         assert r.status == ST_AUTH
         r = c.hello(make_hello(drafter), secret=b"s3cret-value")
         assert r.status == ST_OK and r.hello() == worker_reply(drafter)
+        c.close()
 
 
 def test_hello_busy_lanes_and_sessions(drafter: Any) -> None:

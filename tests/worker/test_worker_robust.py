@@ -116,12 +116,20 @@ def test_slow_but_steady_frame_is_not_cut(drafter: Any) -> None:
 
 
 def test_connection_limit(drafter: Any) -> None:
+    """At the limit a new connection pushes out the oldest one that holds no session; when
+    every connection holds a session it is closed at once."""
     with thread_worker(drafter, max_connections=2) as w:
         a, b = w.connect(), w.connect()
-        assert a.ping(session=0).status == ST_OK and b.ping(session=0).status == ST_OK
+        assert a.hello(make_hello(drafter)).status == ST_OK
+        assert b.ping(session=0).status == ST_OK
         c = w.connect()
-        assert c.is_closed()  # closed at once
-        c.close()
+        assert c.ping(session=0).status == ST_OK  # served: b, without a session, made room
+        assert b.is_closed()
+        b.close()
+        assert c.hello(make_hello(drafter)).status == ST_OK
+        e = w.connect()
+        assert e.is_closed()  # both hold sessions: closed at once
+        e.close()
         a.close()
         deadline = time.monotonic() + 5
         while True:  # the slot frees once the worker has seen a's close
@@ -135,7 +143,7 @@ def test_connection_limit(drafter: Any) -> None:
                 d.close()
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        b.close()
+        c.close()
 
 
 # -- seeded mutation fuzzing ------------------------------------------------------------------

@@ -185,3 +185,27 @@ def test_retired_ids_keep_their_seq_by_id_and_by_client_name() -> None:
     r = t.hello(0xA, 10, hello(name="engine-v"), conn_id=1, now=5.0)
     assert r.session.session_id == 0xA and t.get(0xB) is None
     assert t.retired_seq(0xA, "engine-v") is None  # held again
+
+
+def test_limits_per_connection_and_per_peer_and_the_unused_grace() -> None:
+    t = SessionTable(max_sessions=16, lane_capacity=64, idle_s=600, max_per_connection=2,
+                     max_per_peer=3, unused_idle_s=5)
+    t.hello(1, 1, hello(), conn_id=1, now=0, peer="10.0.0.1")
+    t.hello(2, 1, hello(), conn_id=1, now=0, peer="10.0.0.1")
+    with pytest.raises(BusyError, match="limit per connection is 2"):
+        t.hello(3, 1, hello(), conn_id=1, now=0, peer="10.0.0.1")
+    t.hello(3, 1, hello(), conn_id=2, now=0, peer="10.0.0.1")
+    with pytest.raises(BusyError, match="limit per peer is 3") as e:
+        t.hello(4, 1, hello(), conn_id=3, now=0, peer="10.0.0.1")
+    assert e.value.limit == 3 and len(t) == 3
+    t.hello(4, 1, hello(), conn_id=4, now=0, peer="10.0.0.2")  # another host
+    # A respawn under its client name replaces its predecessor even at the peer's limit.
+    t.hello(5, 1, hello(name="e"), conn_id=5, now=0, peer="10.0.0.2")
+    t.hello(6, 1, hello(name="e"), conn_id=6, now=0, peer="10.0.0.2")
+    assert t.get(5) is None and t.get(6) is not None
+    # Connections 1 and 2 went; session 3 had sent a STEP: only 1 and 2 go after the grace.
+    t.get(3).steps = 1  # type: ignore[union-attr]
+    open_conns = {3, 4, 6}
+    assert t.expire(4.0, open_conns.__contains__) == []
+    assert {s.session_id for s in t.expire(5.0, open_conns.__contains__)} == {1, 2}
+    assert t.get(3) is not None and t.get(4) is not None

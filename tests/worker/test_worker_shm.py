@@ -418,3 +418,63 @@ def test_client_falls_back_when_its_region_is_over_the_limit(worker: WorkerProce
         assert "steps_shm" not in c.stats.snapshot()
     finally:
         c.close()
+
+
+def _memfd_mapped_bytes(pid: int) -> int:
+    total = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "/memfd:" in line:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            total += hi - lo
+    return total
+
+
+def test_mapped_bytes_are_capped_and_a_session_that_leaves_unmaps(tmp_path: Path,
+                                                                  drafter: Any) -> None:
+    """Regions of every connection together stay under --max-shm-mapped-bytes (the one over
+    it is ST_LIMITS with the numbers, and the client's rows go on the socket); a session that
+    moves to another connection leaves no region mapped behind it; the metric says what is
+    mapped."""
+    big = 4 << 20
+    path = tmp_path / "w.sock"
+    with start_worker(*ARGS, "--unix", str(path), "--max-shm-region-bytes", str(big),
+                      "--max-shm-mapped-bytes", str(2 * big)) as w:
+        fds = [memfd(big) for _ in range(4)]
+        clients = [ShmClient(str(path), timeout=20) for _ in range(3)]
+        try:
+            for c in clients:
+                assert c.hello(make_hello(drafter, window=64, max_slots=8)).status == ST_OK
+            assert clients[0].attach(fds[0], big).status == ST_OK
+            assert clients[1].attach(fds[1], big).status == ST_OK
+            r = clients[2].offer(big)
+            assert r.status == ST_LIMITS, r.header
+            assert _memfd_mapped_bytes(w.pid) == 2 * big
+            log = w.log_text()
+            assert f"regions of {2 * big} bytes are mapped, the worker's limit is" \
+                   f" {2 * big} bytes" in log
+            assert clients[2].ping().status == ST_OK  # refused, still a working session
+            # Session 0 moves to a new connection (a reconnect): its old region goes at once.
+            mover = ShmClient(str(path), timeout=20, session=clients[0].session)
+            mover.seq = clients[0].seq + 5
+            assert mover.hello(make_hello(drafter, window=64, max_slots=8)).status == ST_OK
+            assert wait_for(lambda: _memfd_mapped_bytes(w.pid) == big)
+            assert clients[2].attach(fds[2], big).status == ST_OK  # room again
+            assert clients[0].ping(session=0).status == ST_OK  # the old connection is open
+            _, text = _scrape(w)
+            (line,) = [x for x in text.splitlines()
+                       if x.startswith("dspark_worker_shm_mapped_bytes ")]
+            assert float(line.split()[1]) == 2 * big
+            mover.close()
+        finally:
+            for c in clients:
+                c.close()
+            for fd in fds:
+                os.close(fd)
+        assert wait_for(lambda: _memfd_mapped_bytes(w.pid) == 0)
+
+
+def _scrape(w: WorkerProcess) -> tuple[int, str]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{w.metrics_url}/metrics", timeout=10) as r:
+        return r.status, r.read().decode()
