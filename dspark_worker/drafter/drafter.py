@@ -101,7 +101,7 @@ class Drafter:
 
     @property
     def num_spec(self) -> int:
-        return self.config.block_size
+        return self.config.num_spec
 
     @property
     def n_taps(self) -> int:
@@ -175,16 +175,22 @@ class Drafter:
                 ctx = DenseContext(k.permute(0, 2, 1, 3).unsqueeze(1),  # [L, 1, Hkv, r, D]
                                    v.permute(0, 2, 1, 3).unsqueeze(1),
                                    torch.ones(1, r, dtype=torch.bool, device=self.device))
-                block_ids = torch.full((1, n), c.mask_token_id, dtype=torch.int64)  # [1, N]
+                lead = c.lead_rows
+                block_ids = torch.full((1, lead + n), c.mask_token_id, dtype=torch.int64)
                 block_ids[0, 0] = int(token[i])
-                block_pos = torch.arange(a, a + n, dtype=torch.int64).unsqueeze(0)  # [1, N]
+                block_pos = torch.arange(a, a + lead + n, dtype=torch.int64).unsqueeze(0)
                 hf = model.backbone(block_ids.to(self.device), block_pos.to(self.device), ctx)
-                logits = model.logits(hf)[0]  # [N, V]
+                logits = model.logits(hf)[0]  # [lead + N, Vd]
                 prev = int(token[i])
                 state: Tensor | None = None
+                head = model.markov_head
+                for j in range(lead):  # the rnn state steps through the lead rows
+                    if head is not None and head.kind == "rnn":
+                        anchor_t = torch.tensor([prev], dtype=torch.int64, device=self.device)
+                        state = head.step(anchor_t, hf[:, j], state)[2]
                 for j in range(n):
-                    hf_j = hf[:, j]  # [1, d]
-                    z = logits[j]  # [V]
+                    hf_j = hf[:, lead + j]  # [1, d]
+                    z = logits[lead + j]  # [Vd]
                     e: Tensor | None = None
                     if model.markov_head is not None:
                         prev_t = torch.tensor([prev], dtype=torch.int64, device=self.device)
@@ -196,9 +202,12 @@ class Drafter:
                             z_host, int(host_sampling.top_k[i]),
                             float(host_sampling.temperature[i]), float(host_sampling.top_p[i]))
                         x = int(protocol_sampled.draw(ids, q, host_sampling.u[i, j]))
+                        live = q > 0
+                        ids[live] = self._target_ids(ids[live].astype(np.int64))
                         support[i, j], qs[i, j] = ids, q
                     else:
                         x = int(np.argmax(z_host))
+                    x = int(self._target_ids(np.array([x]))[0])
                     top2 = np.sort(z_host)[-2:]
                     margins[i, j] = top2[1] - top2[0]
                     confs[i, j] = self._reference_confidence(hf_j, e, j)
@@ -231,7 +240,7 @@ class Drafter:
                                                     npt.NDArray[np.int64], int]:
         n = self.num_spec if num_spec is None else int(num_spec)
         if not 1 <= n <= self.num_spec:
-            raise ValueError(f"num_spec {n} outside [1, block_size {self.num_spec}]")
+            raise ValueError(f"num_spec {n} outside [1, {self.num_spec}]")
         anchor = np.asarray(anchor_pos, dtype=np.int64).reshape(-1)
         token = np.asarray(anchor_token, dtype=np.int64).reshape(-1)
         if anchor.size != b or token.size != b:
@@ -299,13 +308,14 @@ class Drafter:
     def _run(self, anchor: Tensor, token: Tensor, n: int, context: ContextSource,
              sampling: DeviceSampling | None, keep_logits: bool) -> dict[str, Tensor]:
         model = self.model
-        offsets = torch.arange(n, device=self.device)  # [N]
-        block_ids = torch.full((anchor.shape[0], n), self.config.mask_token_id,
-                               dtype=torch.int64, device=self.device)  # [B, N]
+        lead = self.config.lead_rows  # rows before the first draft (the bonus-token anchor)
+        offsets = torch.arange(lead + n, device=self.device)  # [lead + N]
+        block_ids = torch.full((anchor.shape[0], lead + n), self.config.mask_token_id,
+                               dtype=torch.int64, device=self.device)  # [B, lead + N]
         block_ids[:, 0] = token
-        block_pos = anchor.unsqueeze(1) + offsets  # [B, N]
-        hf = model.backbone(block_ids, block_pos, context)  # [B, N, d]
-        out = markov_walk(model, hf, model.logits(hf), token, sampling, keep_logits)
+        block_pos = anchor.unsqueeze(1) + offsets  # [B, lead + N]
+        hf = model.backbone(block_ids, block_pos, context)  # [B, lead + N, d]
+        out = markov_walk(model, hf, model.logits(hf[:, lead:]), token, sampling, keep_logits)
         result = {"draft_ids": out.draft_ids, "confidence": out.confidence,
                   "margin": out.margin}
         if out.support_ids is not None and out.proposal_q is not None:
@@ -353,6 +363,13 @@ class Drafter:
             support_ids=np.zeros((0, n, MAX_TOP_K), dtype=np.int32) if with_sampling else None,
             proposal_q=np.zeros((0, n, MAX_TOP_K), dtype=np.uint32) if with_sampling else None,
         )
+
+    def _target_ids(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Host draft ids -> target ids (``DraftModel.target_ids``)."""
+        if self.config.draft_vocab == self.config.vocab_size:
+            return ids
+        t = self.model.target_ids(torch.from_numpy(np.asarray(ids, np.int64)).to(self.device))
+        return t.cpu().numpy()
 
     def _reference_confidence(self, hf_j: Tensor, e: Tensor | None, j: int) -> float:
         head = self.model.confidence_head

@@ -3,6 +3,12 @@
 ``prev = anchor_token``; for j = 0..N-1: ``z_j = U_j + bias(prev)``, pick ``x_j`` (argmax, or
 the draw from q for a sampled lane), ``l_j = conf_proj([hf_j ; e])``, ``prev = x_j``. Everything
 stays on the device: no host synchronisation inside the loop.
+
+A family with a reduced draft vocabulary (``config.draft_vocab`` < ``vocab_size``) picks in the
+draft vocabulary and maps the pick, and every support id with q > 0, to target ids
+(``model.target_ids``, increasing, so q's canonical order holds in target ids). Lead rows
+(``config.lead_rows``, the anchor's row where the anchor is the bonus token) draft nothing;
+the rnn head's state steps through them with ``prev = anchor_token``.
 """
 
 from __future__ import annotations
@@ -39,17 +45,23 @@ class WalkOutput:
 
 def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor, anchor_token: Tensor,
                 sampled: DeviceSampling | None, keep_logits: bool = False) -> WalkOutput:
-    """hf [B, N, d] (model dtype), logits U [B, N, V] fp32, anchor_token [B] int64.
-    ``keep_logits`` also returns every position's corrected logits (tests, diagnostics)."""
-    b, n, _ = hf.shape
+    """hf [B, lead + N, d] (model dtype, the lead rows first), logits U [B, N, Vd] fp32 of the
+    drafted rows, anchor_token [B] int64. ``keep_logits`` also returns every position's
+    corrected logits (tests, diagnostics)."""
+    b, n, _ = logits.shape
     head = model.markov_head
     conf_head = model.confidence_head
     with_markov = model.config.confidence_head_with_markov
+    reduced = model.config.draft_vocab != model.config.vocab_size
+    lead = model.config.lead_rows
     prev = anchor_token  # [B]
     state: Tensor | None = None  # rnn head state [B, r]
+    if head is not None and head.kind == "rnn":
+        for j in range(lead):
+            state = head.step(prev, hf[:, j], state)[2]
     drafts, confs, margins, supports, qs, zs = [], [], [], [], [], []
     for j in range(n):
-        hf_j = hf[:, j]  # [B, d]
+        hf_j = hf[:, lead + j]  # [B, d]
         e: Tensor | None = None
         z = logits[:, j]  # [B, V]
         if head is not None:
@@ -64,6 +76,8 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor, anchor_token: Ten
             drawn = sampling.draw(ids, q, sampled.u[:, j])  # [B]
             keep = sampled.is_sampled.unsqueeze(1)  # [B, 1]
             x = torch.where(sampled.is_sampled, drawn, x)  # [B]
+            if reduced:
+                ids = torch.where(q > 0, model.target_ids(ids), 0)  # [B, K] target ids
             supports.append(torch.where(keep, ids, 0))
             qs.append(torch.where(keep, q, 0))
         top2 = torch.topk(z, 2, dim=-1).values  # [B, 2]
@@ -74,6 +88,8 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor, anchor_token: Ten
             confs.append(torch.sigmoid(score / model.confidence_temperature[j]))  # [B]
         else:
             confs.append(torch.ones(b, dtype=torch.float32, device=hf.device))  # [B]
+        if reduced:
+            x = model.target_ids(x)  # [B] target ids
         drafts.append(x)
         prev = x
     return WalkOutput(
