@@ -96,10 +96,10 @@ UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
     ("shift_label", False, "unshifted targets only"),
 )
 # rope_parameters keys each scaling type needs (beside rope_type and rope_theta) and may have.
-ROPE_REQUIRED = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                           "original_max_position_embeddings"),
+# (transformers 5 fills original_max_position_embeddings from max_position_embeddings.)
+ROPE_REQUIRED = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
                  "yarn": ("factor",)}
-ROPE_OPTIONAL = {"default": (), "llama3": (),
+ROPE_OPTIONAL = {"default": (), "llama3": ("original_max_position_embeddings",),
                  "yarn": ("original_max_position_embeddings", "attention_factor", "beta_fast",
                           "beta_slow", "mscale", "mscale_all_dim", "truncate")}
 
@@ -144,6 +144,13 @@ class SpeculatorsConfig(DrafterConfig):
 
     def rope_param(self, name: str, default: float | None = None) -> float | None:
         return dict(self.rope_scaling).get(name, default)
+
+    @property
+    def rope_original_length(self) -> float:
+        """The pre-scaling context length (``original_max_position_embeddings``, by default
+        ``max_position_embeddings``, as transformers fills it)."""
+        return cast(float, self.rope_param("original_max_position_embeddings",
+                                           float(self.max_position_embeddings)))
 
     def to_json_dict(self) -> dict[str, Any]:
         """config.json in the layout speculators' ``save_pretrained`` writes (the keys this
@@ -278,6 +285,10 @@ def parse_speculators_config(raw: Mapping[str, Any],
     vocab = lay.int_("vocab_size")
     layer_types, window = _layer_types(lay, num_layers, source)
     rope_type, theta, scaling = _rope(r, layer, source)
+    if rope_type != "default" and isinstance(layer.get("original_max_position_embeddings"), int):
+        # transformers gives a top-level original_max_position_embeddings priority (Phi3's)
+        scaling = tuple(sorted(dict(scaling, original_max_position_embeddings=float(
+            layer["original_max_position_embeddings"])).items()))
 
     target_hidden = r.get("target_hidden_size", default=None)
     if target_hidden is not None and target_hidden != hidden:
@@ -519,7 +530,7 @@ def llama3_inv_freq(inv_freq: Tensor, c: SpeculatorsConfig) -> Tensor:
     factor = cast(float, c.rope_param("factor"))
     low = cast(float, c.rope_param("low_freq_factor"))
     high = cast(float, c.rope_param("high_freq_factor"))
-    old_len = cast(float, c.rope_param("original_max_position_embeddings"))
+    old_len = c.rope_original_length
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -538,12 +549,8 @@ def yarn_inv_freq(c: SpeculatorsConfig, device: torch.device) -> tuple[Tensor, f
     frequency pair blends interpolation (÷ factor) and extrapolation by a linear ramp between
     the correction dimensions of ``beta_fast`` and ``beta_slow`` rotations."""
     base, dim = c.rope_theta, c.head_dim
-    factor = cast(float, c.rope_param("factor"))
-    original = c.rope_param("original_max_position_embeddings")
-    if original is not None:  # the ratio of the two lengths replaces factor (transformers)
-        factor = c.max_position_embeddings / original
-    else:
-        original = float(c.max_position_embeddings)
+    factor = cast(float, c.rope_param("factor"))  # explicit: transformers 5 only warns when
+    original = c.rope_original_length  # it differs from max / original lengths
     attention = c.rope_param("attention_factor")
     mscale, mscale_all = c.rope_param("mscale"), c.rope_param("mscale_all_dim")
     if attention is None:
