@@ -206,11 +206,12 @@ def save_checkpoint(model: DraftModel, directory: str | Path, *,
                     exclude: Iterable[str] = ()) -> list[Path]:
     """Write ``config.json`` and the weights in the DeepSpec layout: one ``model.safetensors``,
     or shards of at most ``max_shard_bytes`` each with ``model.safetensors.index.json``.
-    ``exclude`` leaves tensors out (a drafter that takes embed/lm_head from its target).
+    ``exclude`` leaves tensors out (a drafter that takes embed/lm_head from its target), and
+    so are those a family only takes from the target (a speculators checkpoint's embedding).
     Tensors keep the model's dtype. Returns the safetensors files written."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    skip = set(exclude)
+    skip = set(exclude) | set(family_of(model.config).from_target(model.config))
     state = {name: t.detach().to("cpu").contiguous().clone()
              for name, t in model.state_dict().items() if name not in skip}
     (out / "config.json").write_text(json.dumps(model.config.to_json_dict(), indent=2) + "\n")

@@ -29,6 +29,7 @@ always causal), the worker serves what the drafter was trained to compute: specu
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -297,6 +298,11 @@ def parse_speculators_config(raw: Mapping[str, Any],
             f" n_taps x transformer_layer_config.hidden_size {hidden}: null or {hidden})",
             field="target_hidden_size", value=target_hidden)
     aux = r.int_list("aux_hidden_state_layer_ids")
+    if not aux or min(aux) < 0 or any(b <= a for a, b in itertools.pairwise(aux)):
+        raise DrafterConfigError(
+            f"{source}: aux_hidden_state_layer_ids {aux!r} must be strictly increasing HF"
+            " hidden_states indices >= 0 (0 the embedding output, k the output of decoder"
+            " layer k - 1)", field="aux_hidden_state_layer_ids", value=aux)
     top = {name: r.get(name, default=value) for name, value in TOP_DEFAULTS.items()}
     for name in ("draft_vocab_size", "block_size", "markov_rank"):
         r.int_(name, default=top[name])
