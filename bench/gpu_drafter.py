@@ -2,12 +2,14 @@
 
     python bench/gpu_drafter.py            # under 10 minutes (limits below), fits one run call
     python bench/gpu_drafter.py --quick    # the large shapes at B = 1, 64 only
+    python bench/gpu_drafter.py --shapes speculators-8b   # the tests, then only that shape
 
 Runs, each under its own time limit so that one hang cannot eat the device budget:
-  1. pytest -m gpu tests/worker/drafter       (CUDA path of the CPU equalities, both families)
+  1. pytest -m gpu tests/worker/drafter       (CUDA path of the CPU equalities, every family)
   2. bench_drafter --device cuda --shape tiny
   3. bench_drafter --device cuda --shape qwen3-4b --sampled     (B = 1, 16, 64, 256, W = 1024)
   4. bench_drafter --device cuda --shape gemma4-12b --sampled   (B = 1, 16, 64, 256, W = 1024)
+  5. bench_drafter --device cuda --shape speculators-8b --sampled   (the same B and W)
 Everything printed is also written to $OUT/gpu_drafter.txt when $OUT is set. The exit status is
 the tests' (a benchmark failure is reported but does not hide a test result).
 """
@@ -45,15 +47,19 @@ def run(title: str, cmd: list[str], timeout_s: int, log: list[str]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--shapes", default="qwen3-4b,gemma4-12b,speculators-8b",
+                        help="comma-separated large shapes to time")
     args = parser.parse_args()
     py = sys.executable
     log: list[str] = []
     tests_rc = run("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                                 "tests/worker/drafter"], 150, log)
+                                 "tests/worker/drafter"], 130, log)
     batches = "1,64" if args.quick else "1,16,64,256"
     run("tiny on cuda", [py, "bench/bench_drafter.py", "--device", "cuda", "--shape", "tiny",
-                         "--batches", "1,16,64,256", "--sampled"], 45, log)
-    for shape, limit_s in (("qwen3-4b", 190), ("gemma4-12b", 190)):
+                         "--batches", "1,16,64,256", "--sampled"], 35, log)
+    limits = {"qwen3-4b": 140, "gemma4-12b": 150, "speculators-8b": 140}
+    for shape in args.shapes.split(","):
+        limit_s = limits[shape]
         run(f"{shape} shape on cuda", [py, "bench/bench_drafter.py", "--device", "cuda",
                                        "--shape", shape, "--batches", batches, "--sampled"],
             limit_s, log)
