@@ -249,11 +249,11 @@ def parse_speculators_config(raw: Mapping[str, Any],
     """A validated :class:`SpeculatorsConfig` from a speculators DSpark config.json."""
     kind = raw.get(MODEL_TYPE_KEY)
     if kind not in SPECULATORS_MODEL_TYPES:
-        why = REFUSED_MODEL_TYPES.get(kind) if isinstance(kind, str) else None
+        why = REFUSED_MODEL_TYPES.get(kind, "not a DSpark drafter") if isinstance(kind, str) \
+            else "not a DSpark drafter"
         raise DrafterConfigError(
-            f"{source}: {MODEL_TYPE_KEY} {kind!r} is not supported ({why or 'unknown'}; the"
-            f" worker serves {list(SPECULATORS_MODEL_TYPES)})", field=MODEL_TYPE_KEY,
-            value=kind)
+            f"{source}: {MODEL_TYPE_KEY} {kind!r} is not supported ({why}; the worker serves"
+            f" {list(SPECULATORS_MODEL_TYPES)})", field=MODEL_TYPE_KEY, value=kind)
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, Mapping):
         raise DrafterConfigError(

@@ -749,3 +749,11 @@ def test_cuda_fp32_vectors_bf16_tolerance_and_sampled(cases: list[dict[str, Any]
                              out.draft_ids, np.ones(4, dtype=bool), gpu.vocab_size, top_k)
             sampled.check_draws(top_k > 0, out.support_ids, out.proposal_q, out.draft_ids,
                                 np.array(sp.seed, dtype=np.uint64), sp.generation, anchors)
+
+
+def test_other_speculators_formats_are_refused_by_name() -> None:
+    raw = raw_config()
+    raw["speculators_model_type"] = "eagle3"
+    with pytest.raises(DrafterConfigError, match=r"'eagle3' is not supported \(not a DSpark"
+                       r" drafter; the worker serves \['dspark'\]\)"):
+        parse_config(raw)
