@@ -60,7 +60,7 @@ class DraftResult:
     window_rows: npt.NDArray[np.int64]  # [B] context rows each lane drafted from
     support_ids: npt.NDArray[np.int32] | None = None  # [B, N, 32] when sampling was given
     proposal_q: npt.NDArray[np.uint32] | None = None  # [B, N, 32]
-    logits: npt.NDArray[np.float32] | None = None  # [B, N, V] corrected logits (keep_logits)
+    logits: npt.NDArray[np.float32] | None = None  # [B, N, Vd] corrected logits (keep_logits)
 
 
 @dataclass(frozen=True)

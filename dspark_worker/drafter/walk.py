@@ -40,7 +40,7 @@ class WalkOutput:
     margin: Tensor  # [B, N] fp32
     support_ids: Tensor | None  # [B, N, K] int64 (zeros on greedy lanes)
     proposal_q: Tensor | None  # [B, N, K] int64
-    logits: Tensor | None = None  # [B, N, V] fp32 corrected logits z, when asked for
+    logits: Tensor | None = None  # [B, N, Vd] fp32 corrected logits z, when asked for
 
 
 def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor, anchor_token: Tensor,
