@@ -152,7 +152,9 @@ class DraftModel(nn.Module):
     - :meth:`inv_freq_values`: its rotary frequencies (used by :meth:`rope`);
     - :meth:`project_context_kv`: tap rows -> the K/V a ring stores, every layer at once;
     - :meth:`backbone`: one block for B lanes against a :class:`ContextSource`;
-    - :meth:`logits`: the base logits U (fp32) that the Markov bias is added to.
+    - :meth:`logits`: the base logits U (fp32) that the Markov bias is added to, over
+      ``config.draft_vocab``; :meth:`target_ids` maps that vocabulary's ids to target ids
+      (the identity unless the family reduces it).
     """
 
     config: DrafterConfig

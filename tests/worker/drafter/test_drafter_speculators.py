@@ -336,6 +336,30 @@ def test_several_slots_in_one_batch_equal_each_alone(drafters: dict[str, Drafter
         assert got.window_rows.tolist() == [min(n, window) for n in counts]
 
 
+def test_fewer_drafts_in_the_bonus_layout_are_a_prefix(drafters: dict[str, Drafter],
+                                                      cases: list[dict[str, Any]],
+                                                      taps: dict[str, np.ndarray]) -> None:
+    """Every layer of this drafter is causal inside the block, so asking for n < N drafts (a
+    block of n + 1 rows: the anchor's, then n) gives the first n of the N drafts."""
+    name = "gated_bonus_full_sliding"
+    d = drafters[name]
+    mine = [c for c in cases if c["checkpoint"] == name]
+    pool = d.new_pool(4, 64)
+    lanes = pool.allocate(4)
+    pool.apply(lanes, [c["anchor_pos"] for c in mine], [c["n_rows"] for c in mine], [True] * 4,
+               np.concatenate([taps[c["taps_key"]] for c in mine]))
+    for n in (1, 2, 3):
+        got = d.draft(pool, lanes, [c["anchor_pos"] for c in mine],
+                      [c["anchor_token"] for c in mine], num_spec=n)
+        assert got.draft_ids.shape == (4, n)
+        for i, c in enumerate(mine):
+            assert got.draft_ids[i].tolist() == c["ids"][:n]
+            np.testing.assert_allclose(got.margin[i], c["margin"][:n], atol=MARGIN_TOL, rtol=0)
+    with pytest.raises(ValueError, match=r"num_spec 5 outside \[1, 4\]"):
+        d.draft(pool, lanes, [c["anchor_pos"] for c in mine], [c["anchor_token"] for c in mine],
+                num_spec=5)
+
+
 # -- sampled mode over a reduced vocabulary -------------------------------------------------------
 
 
