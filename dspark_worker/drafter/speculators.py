@@ -121,7 +121,7 @@ class SpeculatorsConfig(DrafterConfig):
     rope_scaling: tuple[tuple[str, float], ...] = ()  # the scaling type's parameters
     max_position_embeddings: int = 32768
     layer_model_type: str = "qwen3"
-    verifier: str | None = None  # speculators_config.verifier.name_or_path, for logs
+    verifier: str | None = None  # speculators_config.verifier.name_or_path (written back)
 
     @property
     def draft_vocab(self) -> int:
