@@ -6,7 +6,9 @@ engine's HELLO.
 
 ``data/speculators_tiny`` holds three tiny checkpoints saved by speculators' ``save_pretrained``,
 the target tensors they need and cases whose greedy drafts, confidences and margins came from
-speculators' own modules in fp32 (its README)."""
+speculators' own modules in fp32, and two more made the same way (``cases_extra.json``: a llama
+layer config with attention biases, yarn RoPE, no Markov head and the bonus layout; the rnn head
+in the bonus layout over a reduced vocabulary; its README)."""
 
 from __future__ import annotations
 
@@ -46,25 +48,31 @@ from protocol.identity import identities_from_checkpoint
 DATA = Path(__file__).resolve().parent / "data" / "speculators_tiny"
 TARGET = DATA / "target"
 NAMES = ("vanilla_anchor_reduced", "gated_bonus_full_sliding", "rnn_anchor_reduced_mixed_noconf")
+EXTRA = ("llama_bias_yarn_bonus_nomarkov", "rnn_bonus_reduced_causal")
 CONF_TOL, MARGIN_TOL = 1e-4, 1e-3  # against speculators' fp32 drafts
 
 
 @pytest.fixture(scope="module")
 def drafters() -> dict[str, Drafter]:
-    return {name: load_drafter(DATA / name, TARGET) for name in NAMES}
+    return {name: load_drafter(DATA / name, TARGET) for name in NAMES + EXTRA}
 
 
 @pytest.fixture(scope="module")
 def cases() -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = json.loads((DATA / "cases.json").read_text())["cases"]
+    out: list[dict[str, Any]] = []
+    for name in ("cases.json", "cases_extra.json"):
+        out += json.loads((DATA / name).read_text())["cases"]
     return out
 
 
 @pytest.fixture(scope="module")
 def taps() -> dict[str, np.ndarray]:
     """Each case's wire rows, uint8 [n_rows, row_bytes] (the vectors' bf16 bytes)."""
-    return {k: t.view(torch.int16).numpy().view(np.uint8).reshape(t.shape[0], -1)
-            for k, t in load_file(str(DATA / "taps.safetensors")).items()}
+    out: dict[str, np.ndarray] = {}
+    for name in ("taps.safetensors", "taps_extra.safetensors"):
+        out.update({k: t.view(torch.int16).numpy().view(np.uint8).reshape(t.shape[0], -1)
+                    for k, t in load_file(str(DATA / name)).items()})
+    return out
 
 
 def raw_config(name: str = "vanilla_anchor_reduced") -> dict[str, Any]:
@@ -218,13 +226,19 @@ def test_families_and_geometry(drafters: dict[str, Drafter]) -> None:
         ("sliding_attention", "full_attention"), "llama3")
     assert (v.n_taps, g.n_taps, r.n_taps) == (3, 2, 4)
     assert r.model.confidence_head is None and r.config.markov_head_type == "rnn"
+    y, b = (drafters[n] for n in EXTRA)
+    assert (y.config.layer_model_type, y.config.attention_bias, y.config.rope_type) == (
+        "llama", True, "yarn")
+    assert y.model.markov_head is None and y.config.confidence_input_dim == 64
+    assert (y.num_spec, y.config.draft_vocab, b.num_spec, b.config.draft_vocab) == (4, 100, 4, 150)
+    assert (b.config.markov_head_type, b.config.num_kv_groups) == ("rnn", 4)
 
 
 @pytest.mark.parametrize("window", [20, 64])
 def test_vectors_from_the_rings(drafters: dict[str, Drafter], cases: list[dict[str, Any]],
                                 taps: dict[str, np.ndarray], window: int) -> None:
     """Each checkpoint's four cases in one batch of lanes, rows fed in two chunks (W = 20 holds
-    every case's rows exactly: the largest has 20)."""
+    every case's rows: the largest has 20)."""
     for name, d in drafters.items():
         mine = [c for c in cases if c["checkpoint"] == name]
         pool = d.new_pool(6, window)
@@ -743,9 +757,10 @@ def test_hello_refuses_dflash(tmp_path: Path) -> None:
 def test_cuda_fp32_vectors_bf16_tolerance_and_sampled(cases: list[dict[str, Any]],
                                                       taps: dict[str, np.ndarray]) -> None:
     """fp32 on CUDA drafts speculators' vectors (every checkpoint: reduced vocabulary, bonus
-    layout, sliding layers, llama3 RoPE); bf16 (the CUDA default) keeps the first draft and its
-    confidence within bf16's tolerance; sampled replies pass 9.2 and 9.3 on target ids."""
-    for name in NAMES:
+    layout, sliding layers, llama3 and yarn RoPE, biases); bf16 (the CUDA default) keeps the
+    first draft and its confidence within bf16's tolerance; sampled replies pass 9.2 and 9.3 on
+    target ids."""
+    for name in NAMES + EXTRA:
         mine = [c for c in cases if c["checkpoint"] == name]
         rows = np.concatenate([taps[c["taps_key"]] for c in mine])
         anchors = [c["anchor_pos"] for c in mine]
