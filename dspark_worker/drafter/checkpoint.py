@@ -1,5 +1,8 @@
-"""DeepSpec drafter checkpoints: load (with embed/lm_head from the target when absent), check
-every shape, compute the identities, and save (DRAFTER.md "Checkpoints"; CONTRACT 6.4).
+"""Drafter checkpoints (DeepSpec's layout, and speculators' for that family): load (with
+embed/lm_head from the target when absent), check every shape and dtype, compute the
+identities, and save (DRAFTER.md "Checkpoints"; CONTRACT 6.4). A family may name tensors only
+its target supplies (a speculators checkpoint's ``embed_tokens``) and integer index tensors
+(``d2t`` / ``t2d``), and check its tensors beyond their shapes (``families.Family``).
 
 The tensors a drafter runs with are chosen once, by ``protocol.identity`` (its safetensors
 header reader and its target fallbacks), and both the identity and the weights are read from
