@@ -374,6 +374,20 @@ def test_fewer_drafts_in_the_bonus_layout_are_a_prefix(drafters: dict[str, Draft
                 num_spec=5)
 
 
+def test_fused_ingest_with_biases_equals_the_layer_loop(drafters: dict[str, Drafter]) -> None:
+    """The one-matmul ingest adds every layer's k/v biases as the layer loop does."""
+    d = drafters["llama_bias_yarn_bonus_nomarkov"]
+    model = cast(SpeculatorsDrafterModel, d.model)
+    assert model.decoder_layers[0].self_attn.k_proj.bias is not None
+    taps = torch.from_numpy(bf16_taps(np.random.default_rng(7), 11, d.config.tap_width))
+    pos = torch.arange(100, 111)
+    with torch.inference_mode():
+        k, v = model.project_context(taps, pos)
+        kv = model.project_context_kv(taps, pos)
+    torch.testing.assert_close(kv[0], k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv[1], v, atol=1e-5, rtol=1e-5)
+
+
 # -- sampled mode over a reduced vocabulary -------------------------------------------------------
 
 
