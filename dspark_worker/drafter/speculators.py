@@ -303,12 +303,11 @@ def parse_speculators_config(raw: Mapping[str, Any],
             f"{source}: aux_hidden_state_layer_ids {aux!r} must be strictly increasing HF"
             " hidden_states indices >= 0 (0 the embedding output, k the output of decoder"
             " layer k - 1)", field="aux_hidden_state_layer_ids", value=aux)
-    top = {name: r.get(name, default=value) for name, value in TOP_DEFAULTS.items()}
-    for name in ("draft_vocab_size", "block_size", "markov_rank"):
-        r.int_(name, default=top[name])
-    for name in ("sample_from_anchor", "sliding_window_non_causal", "enable_confidence_head",
-                 "confidence_head_with_markov"):
-        r.bool_(name, default=top[name])
+    top: dict[str, Any] = {
+        name: (r.bool_(name, default=value) if isinstance(value, bool) else
+               r.int_(name, default=value) if isinstance(value, int) else
+               r.str_(name, default=value).lower())
+        for name, value in TOP_DEFAULTS.items()}
     markov_rank = top["markov_rank"]
     conf = top["enable_confidence_head"]
     with_markov = conf and top["confidence_head_with_markov"]
@@ -330,7 +329,7 @@ def parse_speculators_config(raw: Mapping[str, Any],
         block_size=top["block_size"],
         mask_token_id=r.int_("mask_token_id"),
         markov_rank=markov_rank,
-        markov_head_type=r.str_("markov_head_type", default="vanilla").lower(),
+        markov_head_type=top["markov_head_type"],
         enable_confidence_head=conf,
         confidence_head_with_markov=with_markov,
         target_hidden_size=hidden,
