@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from drafter_support import CountingReplay, assert_same, params, refuse_host_reads
 from safetensors.torch import load_file, save_file
 
 from dspark_client import hello_from_checkpoint, tap_layers
@@ -42,6 +43,7 @@ from dspark_worker.drafter import (
     random_tensors,
     save_checkpoint,
 )
+from dspark_worker.drafter.step import StaticStep
 from protocol import sampled
 from protocol.identity import identities_from_checkpoint
 
@@ -810,3 +812,153 @@ def test_other_speculators_formats_are_refused_by_name() -> None:
     with pytest.raises(DrafterConfigError, match=r"'eagle3' is not supported \(not a DSpark"
                        r" drafter; the worker serves \['dspark'\]\)"):
         parse_config(raw)
+
+
+# -- the bucketed static step (what a CUDA graph captures; the CPU stand-in replay here) --------
+
+
+def with_static_step(d: Drafter, pool: Any, largest: int = 8, draft_topk: int = 0) -> Drafter:
+    """The same model with its own bucketed static step over ``pool``, self-checked."""
+    s = d.with_draft_topk(draft_topk)
+    report = s.prepare_graphs(pool, largest, replay=CountingReplay)
+    assert report.fallback is None, report.fallback
+    assert s.graphs is not None and report.graphs == 2 * len(report.buckets)
+    return s
+
+
+def static_and_eager(s: Drafter, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """One draft through the static step (checked to be taken), then the same eagerly."""
+    before = CountingReplay.count
+    got = s.draft(*args, **kwargs)
+    assert CountingReplay.count == before + 1, "the static step was not taken"
+    graphs, s.graphs = s.graphs, None
+    try:
+        want = s.draft(*args, **kwargs)
+    finally:
+        s.graphs = graphs
+    return got, want
+
+
+def in_target_vocabulary(d: Drafter, ids: np.ndarray) -> bool:
+    """Every id is a target id the draft vocabulary maps to (all of them on a full one)."""
+    image = d.model.target_ids(torch.arange(d.config.draft_vocab)).numpy()
+    return bool(np.isin(ids, image).all())
+
+
+@pytest.mark.parametrize("name", NAMES + EXTRA)
+def test_static_step_serves_the_vectors(drafters: dict[str, Drafter],
+                                        cases: list[dict[str, Any]],
+                                        taps: dict[str, np.ndarray], name: str) -> None:
+    """Every checkpoint (reduced vocabularies, the bonus layout's lead row and rnn step,
+    sliding and causal layers, biases, yarn, no Markov head): speculators' drafts through the
+    static step, a full bucket (bit for bit the eager step) and one with a padded lane; then
+    sampled lanes, their supports in target ids."""
+    d = drafters[name]
+    mine = [c for c in cases if c["checkpoint"] == name]
+    pool = d.new_pool(6, 20)
+    s = with_static_step(d, pool)  # before any lane holds a window: the self-check writes
+    lanes = pool.allocate(6)[[5, 0, 3, 2]]
+    for c, lane in zip(mine, lanes, strict=True):
+        pool.apply([lane], [c["anchor_pos"]], [c["n_rows"]], [True], taps[c["taps_key"]])
+    anchors = [c["anchor_pos"] for c in mine]
+    tokens = [c["anchor_token"] for c in mine]
+    for b in (4, 3):
+        got, want = static_and_eager(s, pool, lanes[:b], anchors[:b], tokens[:b])
+        assert_same(got, want, exact=b == 4)
+        for i, c in enumerate(mine[:b]):
+            assert got.draft_ids[i].tolist() == c["ids"], (c["case"], b)
+            np.testing.assert_allclose(got.confidence[i], c["confidence"], atol=CONF_TOL, rtol=0)
+            np.testing.assert_allclose(got.margin[i], c["margin"], atol=MARGIN_TOL, rtol=0)
+    for b in (4, 3):
+        sp = params(b, 11 + b)
+        got, want = static_and_eager(s, pool, lanes[:b], anchors[:b], tokens[:b], sampling=sp)
+        assert_same(got, want, exact=b == 4)
+        assert got.support_ids is not None and got.proposal_q is not None
+        top_k = np.asarray(sp.top_k)
+        sampled.validate((top_k > 0).astype(np.uint8), got.support_ids, got.proposal_q,
+                         got.draft_ids, np.ones(b, dtype=bool), d.vocab_size, top_k)
+        sampled.check_draws(top_k > 0, got.support_ids, got.proposal_q, got.draft_ids,
+                            np.asarray(sp.seed), sp.generation, anchors[:b])
+        assert in_target_vocabulary(d, got.support_ids[got.proposal_q > 0])
+        assert in_target_vocabulary(d, got.draft_ids)
+
+
+@pytest.mark.parametrize("name", NAMES + EXTRA)
+def test_static_step_over_wrapping_windows_and_sliding_layers(drafters: dict[str, Drafter],
+                                                              name: str) -> None:
+    """Five lanes (a bucket of 8: three padded lanes) of lengths under, at and over the sliding
+    window and the ring, the rings wrapped several times, in a 12-slot ring and in a 4-slot one
+    that holds fewer rows than any sliding window: the static step equals the reference on the
+    rows each ring holds."""
+    d = drafters[name]
+    rng = np.random.default_rng(8)
+    for window in (12, 4):
+        pool = d.new_pool(8, window)
+        s = with_static_step(d, pool)
+        lanes = pool.allocate(8)[[6, 1, 3, 0, 5]]
+        counts = [3, 12, 30, 1, 6]
+        anchors = [c + 40 * i for i, c in enumerate(counts)]
+        rows = [encode_bf16_rows(bf16_taps(rng, n, d.config.tap_width)) for n in counts]
+        for chunk in range(3):  # in chunks, so the ring's end is crossed by a write
+            part = [r[len(r) * chunk // 3:len(r) * (chunk + 1) // 3] for r in rows]
+            ends = [a - len(r) + len(r) * (chunk + 1) // 3 for a, r in zip(anchors, rows,
+                                                                            strict=True)]
+            pool.apply(lanes, ends, [len(p) for p in part], [chunk == 0] * 5,
+                       np.concatenate(part))
+        tokens = rng.integers(0, d.vocab_size, 5)
+        for sp in (None, params(5, window)):
+            got, want = static_and_eager(s, pool, lanes, anchors, tokens, sampling=sp)
+            assert_same(got, want, exact=False)
+            ref = d.reference_draft([r[-window:] for r in rows], anchors, tokens, sampling=sp)
+            np.testing.assert_array_equal(got.draft_ids, ref.draft_ids)
+            np.testing.assert_allclose(got.confidence, ref.confidence, atol=CONF_TOL, rtol=0)
+            np.testing.assert_allclose(got.margin, ref.margin, atol=MARGIN_TOL, rtol=0)
+            assert got.window_rows.tolist() == [min(n, window) for n in counts]
+
+
+@pytest.mark.parametrize("name", ["vanilla_anchor_reduced", "rnn_bonus_reduced_causal"])
+def test_candidate_walk_over_the_draft_vocabulary(drafters: dict[str, Drafter],
+                                                  name: str) -> None:
+    """dspark_draft_topk over a reduced vocabulary: k candidates of the draft vocabulary's
+    base logits; static, eager and the reference draft the same target ids, greedy and
+    sampled; k = the draft vocabulary drafts what the full walk drafts; k past it is refused
+    naming the draft vocabulary."""
+    d = drafters[name]
+    vd = d.config.draft_vocab
+    assert vd < d.vocab_size
+    rng = np.random.default_rng(3)
+    pool = d.new_pool(5, 16)
+    s = with_static_step(d, pool, draft_topk=40)
+    lanes = pool.allocate(5)
+    counts = [2, 9, 16, 20, 5]
+    rows = [encode_bf16_rows(bf16_taps(rng, n, d.config.tap_width)) for n in counts]
+    pool.apply(lanes, counts, counts, [True] * 5, np.concatenate(rows))
+    tokens = rng.integers(0, d.vocab_size, 5)
+    for sp in (None, params(5, 2)):
+        got, want = static_and_eager(s, pool, lanes, counts, tokens, sampling=sp)
+        assert_same(got, want, exact=False)
+        ref = s.reference_draft([r[-16:] for r in rows], counts, tokens, sampling=sp)
+        assert_same(want, ref, exact=False)
+        assert in_target_vocabulary(d, got.draft_ids)
+    whole = d.with_draft_topk(vd)
+    np.testing.assert_array_equal(whole.draft(pool, lanes, counts, tokens).draft_ids,
+                                  d.draft(pool, lanes, counts, tokens).draft_ids)
+    with pytest.raises(DrafterConfigError, match=rf"\[32, draft_vocab_size {vd}\]"):
+        d.with_draft_topk(vd + 1)
+
+
+@pytest.mark.parametrize("name", ["gated_bonus_full_sliding", "rnn_bonus_reduced_causal",
+                                  "rnn_anchor_reduced_mixed_noconf"])
+def test_static_step_has_no_host_sync(drafters: dict[str, Drafter], name: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lead row, the d2t map, the sliding layers' newest rows and causal block: nothing in
+    the step reads a tensor's value on the host, greedy, sampled and the candidate walk."""
+    d = drafters[name]
+    pool = d.new_pool(4, 8)
+    steps = [StaticStep(d.model, pool, 4, d.num_spec, s, k) for s in (False, True)
+             for k in (0, 40)]
+    refuse_host_reads(monkeypatch)
+    with torch.inference_mode():
+        for step in steps:
+            out = step.compute()
+            assert out["draft_ids"].shape == (4, d.num_spec)
