@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from worker_harness import make_hello, tap_rows, thread_worker
+from worker_harness import WithReplay, make_hello, tap_rows, thread_worker
 
+from dspark_worker.drafter.step import EagerReplay
 from protocol import sampled
 from protocol.constants import OP_STEP, RF_NEED_DRAFT, SAMPLE_TOP32, ST_OK
 from protocol.framing import frame
@@ -50,11 +51,31 @@ def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
         time.sleep(0.005)
 
 
+class CountingReplay(EagerReplay):
+    """The CPU stand-in of a captured step, counting its replays."""
+
+    count = 0
+
+    def replay(self) -> None:
+        CountingReplay.count += 1
+        super().replay()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("name", ["gated_bonus_full_sliding", "rnn_anchor_reduced_mixed_noconf"])
-def test_sessions_batched_and_the_vectors_over_the_socket(name: str) -> None:
-    d = load(name)
+def test_sessions_batched_and_the_vectors_over_the_socket(name: str, static: bool) -> None:
+    """``static``: the worker prepares the bucketed static step at start-up (--cuda-graphs
+    auto, the stand-in replay for CUDA graphs), passes its self-check and drafts every STEP
+    through it."""
+    d: Any = load(name)
+    if static:
+        d = WithReplay(d, CountingReplay)
     cases, rows = case_rows(name)
+    before = CountingReplay.count
     with thread_worker(d, window=64) as w:
+        if static:
+            assert d.modes == ["auto"] and d._inner.graphs is not None
+            before = CountingReplay.count  # after the self-check's replays
         a, b = w.connect(), w.connect()
         for c in (a, b):
             assert c.hello(make_hello(d, window=64)).status == ST_OK
@@ -92,6 +113,8 @@ def test_sessions_batched_and_the_vectors_over_the_socket(name: str) -> None:
         np.testing.assert_allclose(tb.confidence, alone_b.confidence, atol=1e-5)
         a.close()
         b.close()
+    # three draft calls (the vectors, b alone, the two together); b's fill drafts nothing
+    assert CountingReplay.count - before == (3 if static else 0)
 
 
 def test_a_sampled_session_over_a_reduced_vocabulary() -> None:
