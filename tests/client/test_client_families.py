@@ -57,9 +57,10 @@ def serve_and_check(checkpoint: Path, drafter: Any, cases: list[dict[str, Any]],
     extra = ("--target-checkpoint", str(target)) if target is not None else ()
     with start_worker("--checkpoint", str(checkpoint), *extra, "--window", str(window),
                       "--max-slots", str(SLOTS), "--max-total-slots", "16", "--device", "cpu",
-                      timeout=120) as w:
+                      "--cuda-graphs", "auto", timeout=120) as w:
         assert w.endpoint is not None
         assert f"({family} family)" in w.log_text()
+        assert "drafting eagerly" not in w.log_text()  # on a CPU: nothing to capture, no fallback
         # Qwen3's sampled path over the wire is covered by test_client_worker
         for sampled in (False, True) if cases else (False,):
             client, rounds = rounds_for(w.endpoint, checkpoint, sampled=sampled, window=window,
