@@ -234,16 +234,18 @@ def bench_batch(drafter: Drafter, b: int, window: int, args: argparse.Namespace,
 
 def step_cost(drafter: Drafter, b: int, window: int) -> tuple[float, float]:
     """(FLOPs, bytes) one draft step of b lanes must at least spend: every matmul of the
-    backbone, the LM head and the dense Markov bias over B * N query positions, attention over
-    W + N keys; every weight it multiplies read once, and the lanes' rings."""
+    backbone over B * (lead rows + N) block rows with attention over W + those keys (sliding
+    layers counted as full ones), the LM head and the dense Markov bias (over the draft
+    vocabulary) at B * N positions; every weight it multiplies read once, and the lanes'
+    rings."""
     c = drafter.config
-    n, d, v = drafter.num_spec, c.hidden_size, c.vocab_size
-    tokens = b * n
+    n, d, v = drafter.num_spec, c.hidden_size, c.draft_vocab
+    rows = c.lead_rows + n
     layer_params = sum(p.numel() for name, p in drafter.model.named_parameters()
                        if name.startswith("layers.") and p.dim() == 2)
     head = v * d + (v * c.markov_rank if c.has_markov_head else 0)  # lm_head, markov_w2
-    attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * (window + n)
-    flops = 2.0 * tokens * (layer_params + head) + tokens * attn
+    attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * (window + rows)
+    flops = 2.0 * b * (rows * layer_params + n * head) + b * rows * attn
     elem = torch.finfo(drafter.dtype).bits // 8
     ring = b * window * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
     return flops, float((layer_params + head) * elem + ring)
