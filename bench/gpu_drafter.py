@@ -42,6 +42,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NEEDED = ("msgspec", "pytest")  # modules the host may lack
+TESTS_LIMIT_S = 150
+# Each large shape's benchmark limit: with the tests' they sum to 510 s, one run call's 600 s
+# less the start and the wheels.
+LIMITS = {"qwen3-4b": 120, "gemma4-12b": 120, "speculators-8b": 120}
 
 
 def run(title: str, cmd: list[str], timeout_s: int, log: list[str], env: dict[str, str]) -> int:
@@ -85,6 +89,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3-4b,gemma4-12b,speculators-8b",
                         help="comma-separated large shapes to time")
     args = parser.parse_args()
+    unknown = sorted(set(args.shapes.split(",")) - set(LIMITS))
+    if unknown:
+        parser.error(f"--shapes {','.join(unknown)}: not one of {', '.join(LIMITS)}")
     py = sys.executable
     log: list[str] = []
     with tempfile.TemporaryDirectory(prefix="dspark-wheels-") as site:
@@ -92,14 +99,14 @@ def main() -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT), site] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        tests_rc = run("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p",
-                                     "no:cacheprovider", "tests/worker/drafter"], 150, log, env)
+        tests = [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                 "tests/worker/drafter"]
+        tests_rc = run("gpu tests", tests, TESTS_LIMIT_S, log, env)
         batches = "1,64" if args.quick else "1,8,64,256"
-        limits = {"qwen3-4b": 120, "gemma4-12b": 120, "speculators-8b": 120}
         for shape in args.shapes.split(","):
             run(f"{shape} shape on cuda, eager and graphs",
                 [py, "bench/bench_drafter.py", "--device", "cuda", "--shape", shape,
-                 "--batches", batches, "--graphs", "--iters", "20"], limits[shape], log, env)
+                 "--batches", batches, "--graphs", "--iters", "20"], LIMITS[shape], log, env)
     out = os.environ.get("OUT")
     if out:
         Path(out, "gpu_drafter.txt").write_text("\n".join(log))
