@@ -131,7 +131,7 @@ class MarkovHead(nn.Module):
 
     def bias_at(self, x: Tensor, ids: Tensor) -> Tensor:
         """markov_w2(x) at the ids only: x [B, r], ids [B, K] int64 -> [B, K] (K rows of
-        ``markov_w2`` read per lane instead of all V)."""
+        ``markov_w2`` read per lane instead of all Vd)."""
         rows = F.embedding(ids, self.markov_w2.weight)  # [B, K, r]
         out: Tensor = torch.bmm(rows, x.unsqueeze(2)).squeeze(2)  # [B, K]
         return out
