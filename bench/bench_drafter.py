@@ -20,7 +20,12 @@ time them):
   hidden 2560, Markov rank 256;
 - gemma4-12b (the released ``dspark_gemma4_12b_block7``): d 3840, 5 layers, 16/1 heads of 512
   (K = V), intermediate 15360, vocab 262144, 5 taps of hidden 3840, Markov rank 256, softcap
-  30, partial RoPE; 3.4 G parameters (6.8 GB in bf16).
+  30, partial RoPE; 3.4 G parameters (6.8 GB in bf16);
+- speculators-8b (a drafter trained with vLLM's speculators for a Qwen3-8B target, its
+  training defaults): d 4096, 5 layers, all sliding (window 2048, causal in the block),
+  32/8 heads of 128, intermediate 12288, target vocab 151936 with a draft vocabulary of 32000
+  (lm_head and Markov W2 over 32000, d2t back), 5 taps of hidden 4096, block 8 in the bonus
+  layout (N 7), Markov rank 256.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from dspark_worker.drafter import (
     Gemma4Config,
     RingPool,
     SamplingParams,
+    SpeculatorsConfig,
     embedded_default,
     encode_bf16_rows,
 )
@@ -89,10 +95,36 @@ GEMMA4_12B = Gemma4Config(
     final_logit_softcapping=30.0,
 ).validated("gemma4-12b shape")
 
+SPECULATORS_8B = SpeculatorsConfig(
+    hidden_size=4096,
+    num_hidden_layers=5,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    target_layer_ids=(1, 9, 17, 25, 33),  # aux_hidden_state_layer_ids 2, 10, 18, 26, 34
+    block_size=8,
+    mask_token_id=151669,
+    markov_rank=256,
+    markov_head_type="vanilla",
+    enable_confidence_head=True,
+    confidence_head_with_markov=True,
+    target_hidden_size=4096,
+    draft_vocab_size=32000,
+    sample_from_anchor=False,
+    layer_types=("sliding_attention",) * 5,
+    sliding_window=2048,
+    max_position_embeddings=40960,
+).validated("speculators-8b shape")
+
 SHAPES: dict[str, tuple[DrafterConfig | None, tuple[int, ...], int]] = {
     "tiny": (None, (1, 16, 64), 256),
     "qwen3-4b": (QWEN3_4B, (1, 16, 64, 256), 1024),
     "gemma4-12b": (GEMMA4_12B, (1, 16, 64, 256), 1024),
+    "speculators-8b": (SPECULATORS_8B, (1, 16, 64, 256), 1024),
 }
 STEP_ROWS = 4  # rows per lane in the "step ingest" measurement
 
@@ -202,16 +234,18 @@ def bench_batch(drafter: Drafter, b: int, window: int, args: argparse.Namespace,
 
 def step_cost(drafter: Drafter, b: int, window: int) -> tuple[float, float]:
     """(FLOPs, bytes) one draft step of b lanes must at least spend: every matmul of the
-    backbone, the LM head and the dense Markov bias over B * N query positions, attention over
-    W + N keys; every weight it multiplies read once, and the lanes' rings."""
+    backbone over B * (lead rows + N) block rows with attention over W + those keys (sliding
+    layers counted as full ones), the LM head and the dense Markov bias (over the draft
+    vocabulary) at B * N positions; every weight it multiplies read once, and the lanes'
+    rings."""
     c = drafter.config
-    n, d, v = drafter.num_spec, c.hidden_size, c.vocab_size
-    tokens = b * n
+    n, d, v = drafter.num_spec, c.hidden_size, c.draft_vocab
+    rows = c.lead_rows + n
     layer_params = sum(p.numel() for name, p in drafter.model.named_parameters()
                        if name.startswith("layers.") and p.dim() == 2)
     head = v * d + (v * c.markov_rank if c.has_markov_head else 0)  # lm_head, markov_w2
-    attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * (window + n)
-    flops = 2.0 * tokens * (layer_params + head) + tokens * attn
+    attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * (window + rows)
+    flops = 2.0 * b * (rows * layer_params + n * head) + b * rows * attn
     elem = torch.finfo(drafter.dtype).bits // 8
     ring = b * window * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
     return flops, float((layer_params + head) * elem + ring)
@@ -313,8 +347,8 @@ def main() -> None:
         f"cpu, {torch.get_num_threads()} threads"
     print(f"shape {args.shape}: d {c.hidden_size}, {c.num_hidden_layers} layers, "
           f"{c.num_attention_heads}/{c.num_key_value_heads} heads of {c.head_dim}, "
-          f"vocab {c.vocab_size}, {c.n_taps} taps of {c.target_hidden_size}, "
-          f"row {drafter.row_bytes} B")
+          f"vocab {c.vocab_size} (drafts over {c.draft_vocab}), {c.n_taps} taps of "
+          f"{c.target_hidden_size}, row {drafter.row_bytes} B")
     print(f"device {name}, dtype {str(drafter.dtype).removeprefix('torch.')}, W {window}, "
           f"N {drafter.num_spec}, built and warmed up in {build_s:.1f} s")
     print(f"ring bytes per lane: {per_lane} ({per_lane / 2**10:.1f} KiB; "

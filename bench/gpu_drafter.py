@@ -2,6 +2,7 @@
 
     python bench/gpu_drafter.py            # under 10 minutes (limits below), fits one run call
     python bench/gpu_drafter.py --quick    # the large shapes at B = 1, 64 only
+    python bench/gpu_drafter.py --shapes speculators-8b   # the tests, then only that shape
 
 For a GPU host as found: torch with CUDA, numpy, safetensors, uvloop and prometheus-client
 installed, the project not installed (its torch pin would refuse the host's torch) but put on
@@ -14,16 +15,17 @@ where there is network, for the host's Python:
         msgspec pytest pluggy iniconfig packaging pygments
 
 Runs, each under its own time limit so that one hang cannot eat the device budget:
-  1. pytest -m gpu tests/worker/drafter/test_drafter_gpu.py
-       (the CPU equalities on CUDA, both families; each bucket's graph captured, self-checked
+  1. pytest -m gpu tests/worker/drafter
+       (the CPU equalities on CUDA, every family; each bucket's graph captured, self-checked
         and equal to the eager step; no host synchronisation inside the step)
-  2. bench_drafter --device cuda --shape qwen3-4b --graphs     (B = 1, 8, 64, 256, W = 1024)
-  3. bench_drafter --device cuda --shape gemma4-12b --graphs   (B = 1, 8, 64, 256, W = 1024)
+  2. bench_drafter --device cuda --shape qwen3-4b --graphs        (B = 1, 8, 64, 256, W = 1024)
+  3. bench_drafter --device cuda --shape gemma4-12b --graphs      (B = 1, 8, 64, 256, W = 1024)
+  4. bench_drafter --device cuda --shape speculators-8b --graphs  (B = 1, 8, 64, 256, W = 1024)
 Each benchmark prints per B the eager and graph step times (greedy and sampled), the step's own
 floor measured in the same run (a bf16 GEMM of its FLOPs, a device copy moving its weight and
-ring bytes) and the ratios. Everything printed is also written to $OUT/gpu_drafter.txt when $OUT
-is set. The exit status is the tests' (a benchmark failure is reported but does not hide a test
-result).
+ring bytes) and the ratios. The limits sum to 510 s. Everything printed is also written to
+$OUT/gpu_drafter.txt when $OUT is set. The exit status is the tests' (a benchmark failure is
+reported but does not hide a test result).
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NEEDED = ("msgspec", "pytest")  # modules the host may lack
+TESTS_LIMIT_S = 150
+# Each large shape's benchmark limit: with the tests' they sum to 510 s, one run call's 600 s
+# less the start and the wheels.
+LIMITS = {"qwen3-4b": 120, "gemma4-12b": 120, "speculators-8b": 120}
 
 
 def run(title: str, cmd: list[str], timeout_s: int, log: list[str], env: dict[str, str]) -> int:
@@ -80,7 +86,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--wheels", type=Path, default=ROOT / ".whl")
+    parser.add_argument("--shapes", default="qwen3-4b,gemma4-12b,speculators-8b",
+                        help="comma-separated large shapes to time")
     args = parser.parse_args()
+    unknown = sorted(set(args.shapes.split(",")) - set(LIMITS))
+    if unknown:
+        parser.error(f"--shapes {','.join(unknown)}: not one of {', '.join(LIMITS)}")
     py = sys.executable
     log: list[str] = []
     with tempfile.TemporaryDirectory(prefix="dspark-wheels-") as site:
@@ -88,14 +99,14 @@ def main() -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT), site] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        tests = "tests/worker/drafter/test_drafter_gpu.py"
-        tests_rc = run("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p",
-                                     "no:cacheprovider", tests], 150, log, env)
+        tests = [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                 "tests/worker/drafter"]
+        tests_rc = run("gpu tests", tests, TESTS_LIMIT_S, log, env)
         batches = "1,64" if args.quick else "1,8,64,256"
-        for shape, limit_s in (("qwen3-4b", 200), ("gemma4-12b", 200)):
+        for shape in args.shapes.split(","):
             run(f"{shape} shape on cuda, eager and graphs",
                 [py, "bench/bench_drafter.py", "--device", "cuda", "--shape", shape,
-                 "--batches", batches, "--graphs", "--iters", "20"], limit_s, log, env)
+                 "--batches", batches, "--graphs", "--iters", "20"], LIMITS[shape], log, env)
     out = os.environ.get("OUT")
     if out:
         Path(out, "gpu_drafter.txt").write_text("\n".join(log))

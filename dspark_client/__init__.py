@@ -32,7 +32,7 @@ In an engine's rank 0::
 from .acceptance import record_verified
 from .client import RemoteDraftClient, StepOutcome
 from .config import RemoteConfig, RemoteConfigError
-from .hello import hello_from_checkpoint
+from .hello import hello_from_checkpoint, tap_layers
 from .metrics import client_metrics, prometheus_collector
 from .ring import TapRing
 from .rounds import DraftRounds, RoundResult, SlotRequest
@@ -65,4 +65,5 @@ __all__ = [
     "record_verified",
     "schedule_global",
     "schedule_greedy",
+    "tap_layers",
 ]

@@ -11,19 +11,27 @@ for the wrong model. No framework is loaded: the identities come from the files'
 (``protocol.identity``), or from the ``dspark_identity.json`` a worker wrote beside the
 checkpoint while it matches the files. A drafter without ``embed_tokens`` / ``lm_head`` needs
 ``target_checkpoint``, as the worker does, and fails with the worker's message without it.
+
+A checkpoint saved by vLLM's speculators library (``speculators_model_type: dspark``) keeps its
+geometry in ``transformer_layer_config``: the vocabulary is the target's (``vocab_size`` there;
+drafts are target ids even over a reduced draft vocabulary), N is ``block_size`` or
+``block_size - 1`` (``sample_from_anchor`` false: the anchor is the bonus token), and its
+``aux_hidden_state_layer_ids`` are HF ``hidden_states`` indices, one above the layer numbering
+taps use here (``tap_layers``). Its ``embed_tokens`` always comes from the target checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from protocol import wire
 from protocol.constants import SAMPLE_GREEDY, SAMPLE_TOP32
 from protocol.identity import identities_from_checkpoint, markov_walk_identity
 
-__all__ = ["DEFAULT_MAX_ROWS_PER_STEP", "default_max_rows_per_step", "hello_from_checkpoint"]
+__all__ = ["DEFAULT_MAX_ROWS_PER_STEP", "default_max_rows_per_step", "hello_from_checkpoint",
+           "tap_layers"]
 
 # The cap of the default row budget: the worker's default --max-rows-per-step (four windows of
 # its default W = 1024, 105 MB at Qwen3-4B's 25.6 KiB rows). A client with defaults never
@@ -49,6 +57,51 @@ def _field(cfg: dict[str, Any], path: Path, *names: str) -> Any:
     raise ValueError(f"{path}: none of {', '.join(names)} is set")
 
 
+def _read_config(checkpoint: str | Path) -> tuple[dict[str, Any], Path]:
+    cfg_path = Path(checkpoint) / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{cfg_path}: cannot read the drafter config ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: not a JSON object")
+    return cfg, cfg_path
+
+
+def _geometry(cfg: dict[str, Any], cfg_path: Path) -> tuple[int, int, list[int], int | None]:
+    """(num_spec, vocab_size, tap layers, hidden or None) of a drafter config.json; tap layers
+    in DeepSpec numbering (the output of decoder layer i; -1 the embedding output)."""
+    kind = cfg.get("speculators_model_type")
+    if kind is None:
+        num_spec = int(_field(cfg, cfg_path, "block_size", "dspark_block_size"))
+        vocab = int(_field(cfg, cfg_path, "vocab_size"))
+        taps = _field(cfg, cfg_path, "target_layer_ids", "dflash_config.target_layer_ids",
+                      "dspark_target_layer_ids")
+        hidden = cfg.get("target_hidden_size") or cfg.get("hidden_size")
+        return num_spec, vocab, [int(t) for t in taps], hidden
+    if kind != "dspark":
+        raise ValueError(f"{cfg_path}: speculators_model_type {kind!r} is not a DSpark drafter"
+                         " (only 'dspark' has the Markov and confidence heads)")
+    # speculators' defaults where a key is missing: block_size 8, sample_from_anchor true
+    block = int(cfg.get("block_size", 8))
+    num_spec = block if cfg.get("sample_from_anchor", True) else block - 1
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError(f"{cfg_path}: transformer_layer_config is missing or not an object")
+    # a key to_diff_dict left out holds the config class's default (Qwen3Config, LlamaConfig)
+    vocab = int(layer.get("vocab_size", 32000 if layer.get("model_type") == "llama" else 151936))
+    aux = _field(cfg, cfg_path, "aux_hidden_state_layer_ids")
+    return num_spec, vocab, [int(k) - 1 for k in aux], int(layer.get("hidden_size", 4096))
+
+
+def tap_layers(checkpoint: str | Path) -> tuple[int, ...]:
+    """The target layers whose outputs an engine captures for this drafter, in order, numbered
+    as DeepSpec's ``target_layer_ids`` (decoder layer i's output; -1 the embedding output); a
+    speculators checkpoint's ``aux_hidden_state_layer_ids`` less one."""
+    cfg, cfg_path = _read_config(checkpoint)
+    return tuple(_geometry(cfg, cfg_path)[2])
+
+
 def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int,
                           max_rows_per_step: int | None = None, sampled: bool = False,
                           client_name: str = "", target_checkpoint: str | Path | None = None,
@@ -65,19 +118,11 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
     draft_topk: the candidate walk the worker runs (vLLM's ``dspark_draft_topk``; None: the
     checkpoint config's, else none); it enters the Markov identity (6.4)."""
     path = Path(checkpoint)
-    cfg_path = path / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{cfg_path}: cannot read the drafter config ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_path}: not a JSON object")
-    num_spec = int(_field(cfg, cfg_path, "block_size", "dspark_block_size"))
-    vocab = int(_field(cfg, cfg_path, "vocab_size"))
-    taps = _field(cfg, cfg_path, "target_layer_ids", "dflash_config.target_layer_ids",
-                  "dspark_target_layer_ids")
-    hidden = target_hidden_size or int(_field(cfg, cfg_path, "target_hidden_size",
-                                              "hidden_size"))
+    cfg, cfg_path = _read_config(path)
+    num_spec, vocab, taps, config_hidden = _geometry(cfg, cfg_path)
+    if not target_hidden_size and config_hidden is None:
+        raise ValueError(f"{cfg_path}: none of target_hidden_size, hidden_size is set")
+    hidden = target_hidden_size or int(cast(int, config_hidden))
     n_taps = len(taps)
     drafter_id, markov_id = identities_from_checkpoint(path, target_checkpoint)
     if draft_topk is None:

@@ -37,6 +37,7 @@ from .families import (
 from .gemma4 import Gemma4Config, Gemma4DrafterModel
 from .model import DrafterModel, DraftModel
 from .rings import PoolExhaustedError, RingPool, decode_bf16_rows, encode_bf16_rows
+from .speculators import SpeculatorsConfig, SpeculatorsDrafterModel
 
 __all__ = [
     "EMBEDDED_CONFIG",
@@ -55,6 +56,8 @@ __all__ = [
     "PoolExhaustedError",
     "RingPool",
     "SamplingParams",
+    "SpeculatorsConfig",
+    "SpeculatorsDrafterModel",
     "build_model",
     "decode_bf16_rows",
     "detect_family",

@@ -1,5 +1,8 @@
-"""DeepSpec drafter checkpoints: load (with embed/lm_head from the target when absent), check
-every shape, compute the identities, and save (DRAFTER.md "Checkpoints"; CONTRACT 6.4).
+"""Drafter checkpoints (DeepSpec's layout, and speculators' for that family): load (with
+embed/lm_head from the target when absent), check every shape and dtype, compute the
+identities, and save (DRAFTER.md "Checkpoints"; CONTRACT 6.4). A family may name tensors only
+its target supplies (a speculators checkpoint's ``embed_tokens``) and integer index tensors
+(``d2t`` / ``t2d``), and check its tensors beyond their shapes (``families.Family``).
 
 The tensors a drafter runs with are chosen once, by ``protocol.identity`` (its safetensors
 header reader and its target fallbacks), and both the identity and the weights are read from
@@ -33,7 +36,7 @@ from protocol.identity import (
 )
 
 from .config import DrafterConfig
-from .families import expected_shapes, load_config
+from .families import expected_shapes, family_of, load_config
 from .model import DraftModel
 
 log = logging.getLogger("dspark_worker.checkpoint")
@@ -45,7 +48,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "F64": torch.float64,
 }
-SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
+# Index tensors (a reduced vocabulary's d2t / t2d) keep their integer dtype.
+INDEX_TORCH_DTYPES: dict[str, torch.dtype] = {"I64": torch.int64, "I32": torch.int32,
+                                              "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {v: k for k, v in (TORCH_DTYPES | INDEX_TORCH_DTYPES).items()}
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
@@ -78,9 +84,25 @@ def resolve_checkpoint(checkpoint: str | Path,
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a checkpoint directory")
     config = load_config(directory)
+    family = family_of(config)
     expected = expected_shapes(config)
     try:
         refs = tensor_index(checkpoint_files(directory))
+        only_target = family.from_target(config)
+        for name in TARGET_TENSORS:  # a family that names its target tensors owns the others
+            if only_target and name not in only_target and name not in refs:
+                raise CheckpointError(
+                    f"{directory}: missing tensor {name} (expected shape"
+                    f" {list(expected[name])}); a {family.name} drafter over a reduced"
+                    " vocabulary keeps its own, never the target's", tensor=name,
+                    expected=expected[name])
+        for name in only_target:
+            if name in refs:
+                raise CheckpointError(
+                    f"{refs[name].path}: holds {name} (shape {list(refs[name].shape)}), which a"
+                    f" {family.name} drafter takes from its target (pass --target-checkpoint);"
+                    " remove it from the drafter checkpoint", tensor=name,
+                    shape=refs[name].shape)
         unexpected = sorted(set(refs) - set(expected))
         if unexpected:
             raise CheckpointError(
@@ -103,9 +125,10 @@ def resolve_checkpoint(checkpoint: str | Path,
             raise CheckpointError(
                 f"{ref.path}: tensor {name} has shape {list(ref.shape)}, expected {list(shape)}",
                 tensor=name, shape=ref.shape, expected=shape)
-        if ref.dtype not in TORCH_DTYPES:
+        allowed = tuple(family.index_dtypes.get(name, sorted(TORCH_DTYPES)))
+        if ref.dtype not in allowed:
             raise CheckpointError(f"{ref.path}: tensor {name} has dtype {ref.dtype}; the drafter"
-                                  f" loads {sorted(TORCH_DTYPES)}", tensor=name)
+                                  f" loads {list(allowed)}", tensor=name)
     return config, refs
 
 
@@ -118,6 +141,15 @@ def load_checkpoint(checkpoint: str | Path, target_checkpoint: str | Path | None
     weights for their HELLO."""
     config, refs = resolve_checkpoint(checkpoint, target_checkpoint)
     tensors = {name: read_tensor(name, ref) for name, ref in refs.items()}
+    family = family_of(config)
+    try:
+        family.check_tensors(config, tensors)
+    except ValueError as exc:
+        raise CheckpointError(f"{checkpoint}: {exc}") from exc
+    log.info("%s: %s drafter, N %d (block %d), vocab %d (drafts over %d), taps of target"
+             " layers %s (outputs of those layers; -1 the embedding), %d draft layers",
+             checkpoint, family.name, config.num_spec, config.block_size, config.vocab_size,
+             config.draft_vocab, list(config.target_layer_ids), config.num_hidden_layers)
     # Hashed from the loaded bytes: the weights are read once, and what is hashed is exactly
     # what runs (hashing the files beside the loaded copy doubled the resident memory).
     drafter_id, markov_id = identities_from_arrays(
@@ -153,10 +185,10 @@ def _log_target_tensors(refs: dict[str, TensorRef], lacking: list[str],
 
 def read_tensor(name: str, ref: TensorRef) -> torch.Tensor:
     """One tensor's bytes from its file (nothing else of the file is read)."""
-    dtype = TORCH_DTYPES[ref.dtype]
+    dtype = TORCH_DTYPES.get(ref.dtype) or INDEX_TORCH_DTYPES[ref.dtype]
     count = math.prod(ref.shape)
     nbytes = ref.end - ref.start
-    elem = torch.finfo(dtype).bits // 8
+    elem = torch.empty((), dtype=dtype).element_size()
     if nbytes != count * elem:
         raise CheckpointError(f"{ref.path}: tensor {name} holds {nbytes} bytes; shape "
                               f"{list(ref.shape)} of {ref.dtype} needs {count * elem}",
@@ -177,11 +209,12 @@ def save_checkpoint(model: DraftModel, directory: str | Path, *,
                     exclude: Iterable[str] = ()) -> list[Path]:
     """Write ``config.json`` and the weights in the DeepSpec layout: one ``model.safetensors``,
     or shards of at most ``max_shard_bytes`` each with ``model.safetensors.index.json``.
-    ``exclude`` leaves tensors out (a drafter that takes embed/lm_head from its target).
+    ``exclude`` leaves tensors out (a drafter that takes embed/lm_head from its target), and
+    so are those a family only takes from the target (a speculators checkpoint's embedding).
     Tensors keep the model's dtype. Returns the safetensors files written."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    skip = set(exclude)
+    skip = set(exclude) | set(family_of(model.config).from_target(model.config))
     state = {name: t.detach().to("cpu").contiguous().clone()
              for name, t in model.state_dict().items() if name not in skip}
     (out / "config.json").write_text(json.dumps(model.config.to_json_dict(), indent=2) + "\n")

@@ -87,6 +87,22 @@ class DrafterConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     @property
+    def draft_vocab(self) -> int:
+        """Rows of ``lm_head`` and ``markov_w2``: the vocabulary drafts are picked in. The
+        target's ``vocab_size`` unless a family reduces it (the model maps drafts back)."""
+        return self.vocab_size
+
+    @property
+    def lead_rows(self) -> int:
+        """Block rows before the first drafted one (1 where the anchor is the bonus token)."""
+        return 0
+
+    @property
+    def num_spec(self) -> int:
+        """Drafts per block (HELLO's N): ``block_size`` less the lead rows."""
+        return self.block_size - self.lead_rows
+
+    @property
     def has_markov_head(self) -> bool:
         return self.markov_rank > 0
 

@@ -67,7 +67,7 @@ class DraftResult:
     window_rows: npt.NDArray[np.int64]  # [B] context rows each lane drafted from
     support_ids: npt.NDArray[np.int32] | None = None  # [B, N, 32] when sampling was given
     proposal_q: npt.NDArray[np.uint32] | None = None  # [B, N, 32]
-    logits: npt.NDArray[np.float32] | None = None  # [B, N, V] corrected logits (keep_logits)
+    logits: npt.NDArray[np.float32] | None = None  # [B, N, Vd] corrected logits (keep_logits)
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Drafter:
         self.dtype: torch.dtype = model.fc.weight.dtype
         # The candidate walk changes drafts: it enters the Markov identity (CONTRACT 6.4), so
         # an engine that did not ask for it is refused instead of served other drafts.
-        self.draft_topk = check_draft_topk(draft_topk, self.config.vocab_size, source)
+        self.draft_topk = check_draft_topk(draft_topk, self.config, source)
         self.drafter_identity = drafter_identity
         self.tensors_markov_identity = markov_identity  # of the markov_head tensors alone
         self.markov_identity = markov_walk_identity(markov_identity, self.draft_topk)
@@ -119,7 +119,7 @@ class Drafter:
 
     @property
     def num_spec(self) -> int:
-        return self.config.block_size
+        return self.config.num_spec
 
     @property
     def n_taps(self) -> int:
@@ -238,27 +238,33 @@ class Drafter:
                 ctx = DenseContext(k.permute(0, 2, 1, 3).unsqueeze(1),  # [L, 1, Hkv, r, D]
                                    v.permute(0, 2, 1, 3).unsqueeze(1),
                                    torch.ones(1, r, dtype=torch.bool, device=self.device))
-                block_ids = torch.full((1, n), c.mask_token_id, dtype=torch.int64)  # [1, N]
+                lead = c.lead_rows
+                block_ids = torch.full((1, lead + n), c.mask_token_id, dtype=torch.int64)
                 block_ids[0, 0] = int(token[i])
-                block_pos = torch.arange(a, a + n, dtype=torch.int64).unsqueeze(0)  # [1, N]
+                block_pos = torch.arange(a, a + lead + n, dtype=torch.int64).unsqueeze(0)
                 hf = model.backbone(block_ids.to(self.device), block_pos.to(self.device), ctx)
-                logits = model.logits(hf)[0]  # [N, V]
+                logits = model.logits(hf)[0]  # [lead + N, Vd]
                 prev = int(token[i])
                 state: Tensor | None = None
+                head = model.markov_head
+                for j in range(lead):  # the rnn state steps through the lead rows
+                    if head is not None and head.kind == "rnn":
+                        anchor_t = torch.tensor([prev], dtype=torch.int64, device=self.device)
+                        state = head.step(anchor_t, hf[:, j], state)[2]
                 for j in range(n):
-                    hf_j = hf[:, j]  # [1, d]
-                    z = logits[j]  # [V]
+                    hf_j = hf[:, lead + j]  # [1, d]
+                    z = logits[lead + j]  # [Vd]
                     e: Tensor | None = None
                     if model.markov_head is not None:
                         prev_t = torch.tensor([prev], dtype=torch.int64, device=self.device)
                         e, bias, state = model.markov_head.step(prev_t, hf_j, state)
                     # The candidate walk: the k best base logits, ascending ids, and every
                     # other id -inf (which takes part in nothing below).
-                    cand = np.arange(self.vocab_size)
+                    cand = np.arange(c.draft_vocab)
                     if self.draft_topk:
                         cand = np.sort(torch.topk(z, self.draft_topk).indices.cpu().numpy())
                     if e is not None:
-                        z = z + bias[0].float()  # [V]
+                        z = z + bias[0].float()  # [Vd]
                     z_host = z.float().cpu().numpy()[cand]  # [k]
                     if host_sampling is not None and host_sampling.is_sampled[i]:
                         at, q = protocol_sampled.build_q(
@@ -266,9 +272,12 @@ class Drafter:
                             float(host_sampling.temperature[i]), float(host_sampling.top_p[i]))
                         ids = np.where(q > 0, cand[at], 0).astype(np.int32)
                         x = int(protocol_sampled.draw(ids, q, host_sampling.u[i, j]))
+                        live = q > 0
+                        ids[live] = self._target_ids(ids[live].astype(np.int64))
                         support[i, j], qs[i, j] = ids, q
                     else:
                         x = int(cand[np.argmax(z_host)])
+                    x = int(self._target_ids(np.array([x]))[0])
                     top2 = np.sort(z_host)[-2:]
                     margins[i, j] = top2[1] - top2[0]
                     confs[i, j] = self._reference_confidence(hf_j, e, j)
@@ -301,7 +310,7 @@ class Drafter:
                                                     npt.NDArray[np.int64], int]:
         n = self.num_spec if num_spec is None else int(num_spec)
         if not 1 <= n <= self.num_spec:
-            raise ValueError(f"num_spec {n} outside [1, block_size {self.num_spec}]")
+            raise ValueError(f"num_spec {n} outside [1, {self.num_spec}]")
         anchor = np.asarray(anchor_pos, dtype=np.int64).reshape(-1)
         token = np.asarray(anchor_token, dtype=np.int64).reshape(-1)
         if anchor.size != b or token.size != b:
@@ -405,6 +414,13 @@ class Drafter:
             proposal_q=np.zeros((0, n, MAX_TOP_K), dtype=np.uint32) if with_sampling else None,
         )
 
+    def _target_ids(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Host draft ids -> target ids (``DraftModel.target_ids``)."""
+        if self.config.draft_vocab == self.config.vocab_size:
+            return ids
+        t = self.model.target_ids(torch.from_numpy(np.asarray(ids, np.int64)).to(self.device))
+        return t.cpu().numpy()
+
     def _reference_confidence(self, hf_j: Tensor, e: Tensor | None, j: int) -> float:
         head = self.model.confidence_head
         if head is None:
@@ -416,17 +432,19 @@ class Drafter:
         return 1.0 / (1.0 + math.exp(-score / temp))
 
 
-def check_draft_topk(k: object, vocab: int, source: str) -> int:
+def check_draft_topk(k: object, config: DrafterConfig, source: str) -> int:
     """``dspark_draft_topk`` (vLLM's name): 0 or None is the walk over the whole vocabulary;
     else the candidates per position, at least the sampled support's places and at most the
-    vocabulary."""
+    vocabulary drafts are picked in (``config.draft_vocab``)."""
     if k is None:
         return 0
+    vocab = config.draft_vocab
+    name = "vocab_size" if vocab == config.vocab_size else "draft_vocab_size"
     low = min(MAX_TOP_K, vocab)
     if isinstance(k, bool) or not isinstance(k, int) or not (k == 0 or low <= k <= vocab):
         raise DrafterConfigError(
             f"{source}: dspark_draft_topk {k!r} is neither 0 (off) nor a whole number in"
-            f" [{low}, vocab_size {vocab}]", field="dspark_draft_topk", value=k)
+            f" [{low}, {name} {vocab}]", field="dspark_draft_topk", value=k)
     return k
 
 

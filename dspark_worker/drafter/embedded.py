@@ -79,10 +79,26 @@ def weight_scale(name: str, shape: tuple[int, ...], config: DrafterConfig) -> tu
     return 0.0, gain * unit / math.sqrt(fan_in)
 
 
+def vocab_map(config: DrafterConfig, seed: int) -> dict[str, torch.Tensor]:
+    """A reduced vocabulary's ``t2d`` [V] bool and ``d2t`` [Vd] int64 for a seeded subset of
+    the target ids (speculators' layout: target id = d + d2t[d], increasing); empty on a full
+    vocabulary."""
+    v, vd = config.vocab_size, config.draft_vocab
+    if vd == v:
+        return {}
+    key = int.from_bytes(hashlib.sha256(f"{seed}:vocab".encode()).digest()[:8], "little")
+    ids = np.sort(np.argsort(_uniform(key, v), kind="stable")[:vd])  # [Vd] increasing
+    t2d = np.zeros(v, dtype=np.bool_)
+    t2d[ids] = True
+    return {"t2d": torch.from_numpy(t2d), "d2t": torch.from_numpy(ids - np.arange(vd))}
+
+
 def random_tensors(config: DrafterConfig, seed: int) -> dict[str, torch.Tensor]:
     """Every tensor of ``config``'s checkpoint layout, fp32 on the CPU, machine-independent."""
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = vocab_map(config, seed)
     for name, shape in expected_shapes(config).items():
+        if name in out:
+            continue
         digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
         key = int.from_bytes(digest[:8], "little")
         offset, half = weight_scale(name, shape, config)
@@ -100,3 +116,5 @@ def init_random_(model: DraftModel, seed: int) -> None:
     for name, param in model.named_parameters():
         offset, half = weight_scale(name, tuple(param.shape), model.config)
         param.uniform_(-half, half, generator=gen).add_(offset)
+    for name, t in vocab_map(model.config, seed).items():
+        getattr(model, name).copy_(t)

@@ -4,21 +4,22 @@ builds its model (docs/architecture.md, "Model families").
 A family is its config parser, its checkpoint layout (every tensor name with its shape) and
 its :class:`~.model.DraftModel` subclass. The rings, the Markov walk, sampling, the runner and
 the protocol see only :class:`~.config.DrafterConfig` geometry and the ``DraftModel``
-interface. A family is picked from ``model_type`` and ``architectures``; a config.json with
-neither is the Qwen3 layout (the first DSpark checkpoints wrote no ``model_type``).
+interface. A family is picked from ``speculators_model_type`` (a checkpoint saved by vLLM's
+speculators library), else ``model_type`` and ``architectures``; a config.json with none of them
+is the Qwen3 layout (the first DSpark checkpoints wrote no ``model_type``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import gemma4
+from . import gemma4, speculators
 from .config import DrafterConfig, DrafterConfigError, parse_qwen3_config, read_config_json
 from .model import DrafterModel, DraftModel, instantiate
 from .model import expected_shapes as qwen3_shapes
@@ -33,6 +34,13 @@ class Family:
     parse: Callable[[Mapping[str, Any], str], DrafterConfig]
     expected_shapes: Callable[[DrafterConfig], dict[str, tuple[int, ...]]]
     model_type: type[DraftModel]
+    # Integer tensors of the layout and the safetensors dtypes they may have (floats: any).
+    index_dtypes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Tensors only the target checkpoint may supply (a drafter checkpoint holding one is refused).
+    from_target: Callable[[DrafterConfig], tuple[str, ...]] = lambda config: ()
+    # Checks across loaded tensors beyond their shapes (raise ValueError).
+    check_tensors: Callable[[DrafterConfig, Mapping[str, Tensor]], None] = (
+        lambda config, tensors: None)
 
 
 QWEN3 = Family(
@@ -53,12 +61,28 @@ GEMMA4 = Family(
     expected_shapes=gemma4.gemma4_shapes,
     model_type=gemma4.Gemma4DrafterModel,
 )
-FAMILIES: tuple[Family, ...] = (QWEN3, GEMMA4)
+SPECULATORS = Family(
+    name="speculators",
+    model_types=(),  # picked by speculators_model_type (detect_family)
+    architectures=speculators.ARCHITECTURES,
+    config_type=speculators.SpeculatorsConfig,
+    parse=speculators.parse_speculators_config,
+    expected_shapes=speculators.speculators_shapes,
+    model_type=speculators.SpeculatorsDrafterModel,
+    index_dtypes=speculators.INDEX_DTYPES,
+    from_target=speculators.from_target,
+    check_tensors=speculators.check_tensors,
+)
+FAMILIES: tuple[Family, ...] = (QWEN3, GEMMA4, SPECULATORS)
 
 
 def detect_family(raw: Mapping[str, Any], source: str = "config.json") -> Family:
-    """The family a parsed config.json belongs to. ``architectures`` decides where it names a
-    known drafter class; else ``model_type``; a config with neither is Qwen3."""
+    """The family a parsed config.json belongs to. ``speculators_model_type`` decides where it
+    is present (its parser refuses the formats it does not serve, by name); else
+    ``architectures`` where it names a known drafter class; else ``model_type``; a config with
+    none of them is Qwen3."""
+    if speculators.MODEL_TYPE_KEY in raw:
+        return SPECULATORS
     archs = raw.get("architectures")
     if isinstance(archs, list):
         for family in FAMILIES:

@@ -98,8 +98,8 @@ class MarkovHead(nn.Module):
         super().__init__()
         r, v, d = c.markov_rank, c.vocab_size, c.hidden_size
         self.kind = c.markov_head_type
-        self.markov_w1 = _embedding(v, r)  # weight [V, r]
-        self.markov_w2 = nn.Linear(r, v, bias=False)  # weight [V, r]
+        self.markov_w1 = _embedding(v, r)  # weight [V, r]: rows are target ids
+        self.markov_w2 = nn.Linear(r, c.draft_vocab, bias=False)  # weight [Vd, r]
         if self.kind == "gated":
             self.gate_proj = nn.Linear(d + r, r)
         elif self.kind == "rnn":
@@ -107,9 +107,10 @@ class MarkovHead(nn.Module):
 
     def step(self, prev: Tensor, hf_j: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor,
                                                                              Tensor | None]:
-        """One position: (e, bias, new rnn state). prev [B] int64, hf_j [B, d]."""
+        """One position: (e, bias, new rnn state). prev [B] int64 (target ids), hf_j [B, d];
+        bias [B, Vd] over the draft vocabulary."""
         e, x, state = self.step_input(prev, hf_j, state)
-        return e, self.markov_w2(x), state  # bias [B, V]
+        return e, self.markov_w2(x), state  # bias [B, Vd]
 
     def step_input(self, prev: Tensor, hf_j: Tensor, state: Tensor | None
                    ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -130,7 +131,7 @@ class MarkovHead(nn.Module):
 
     def bias_at(self, x: Tensor, ids: Tensor) -> Tensor:
         """markov_w2(x) at the ids only: x [B, r], ids [B, K] int64 -> [B, K] (K rows of
-        ``markov_w2`` read per lane instead of all V)."""
+        ``markov_w2`` read per lane instead of all Vd)."""
         rows = F.embedding(ids, self.markov_w2.weight)  # [B, K, r]
         out: Tensor = torch.bmm(rows, x.unsqueeze(2)).squeeze(2)  # [B, K]
         return out
@@ -164,10 +165,12 @@ class DraftModel(nn.Module):
     - :meth:`inv_freq_values`: its rotary frequencies (used by :meth:`rope`);
     - :meth:`project_context_kv`: tap rows -> the K/V a ring stores, every layer at once;
     - :meth:`backbone`: one block for B lanes against a :class:`ContextSource`;
-    - :meth:`logits`: the base logits U (fp32) that the Markov bias is added to, as
-      :meth:`head_logits` (the LM head GEMM, model dtype) then :meth:`finish_logits`
-      (elementwise to fp32): the walk runs the GEMM once for every position and finishes one
-      position at a time, so no [B, N, V] fp32 tensor is made.
+    - :meth:`logits`: the base logits U (fp32) that the Markov bias is added to, over
+      ``config.draft_vocab``, as :meth:`head_logits` (the LM head GEMM, model dtype) then
+      :meth:`finish_logits` (elementwise to fp32): the walk runs the GEMM once for every
+      position and finishes one position at a time, so no [B, N, Vd] fp32 tensor is made;
+    - :meth:`target_ids`: that vocabulary's ids -> target ids (the identity unless the family
+      reduces it; a device gather, so the walk maps its picks without a host sync).
     """
 
     config: DrafterConfig
@@ -216,11 +219,11 @@ class DraftModel(nn.Module):
         raise NotImplementedError
 
     def logits(self, hf: Tensor) -> Tensor:
-        """The base logits U [..., V] fp32: ``finish_logits(head_logits(hf))``."""
+        """The base logits U [..., Vd] fp32: ``finish_logits(head_logits(hf))``."""
         return self.finish_logits(self.head_logits(hf))
 
     def head_logits(self, hf: Tensor) -> Tensor:
-        """The LM head's output [..., V] in the model dtype: the one vocabulary-wide GEMM."""
+        """The LM head's output [..., Vd] in the model dtype: the one vocabulary-wide GEMM."""
         out: Tensor = self.lm_head(hf)
         return out
 
@@ -229,6 +232,11 @@ class DraftModel(nn.Module):
         position at a time); a family with a logit transform overrides this."""
         return head.float()
 
+    def target_ids(self, ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids (the same ids unless a family reduces the
+        vocabulary; ``config.draft_vocab``)."""
+        return ids
+
 
 class DrafterModel(DraftModel):
     """The Qwen3 family: the drafter's weights and its two forward pieces:
@@ -236,6 +244,7 @@ class DrafterModel(DraftModel):
     only; build with ``families.build_model``."""
 
     _fused: tuple[Tensor, Tensor]  # project_context_kv's weights, rebuilt when they change
+    _fused_bias: Tensor | None = None  # their k/v biases where the layers have them
     _fused_key: tuple[tuple[int, int], ...] | None = None
 
     def __init__(self, config: DrafterConfig) -> None:
@@ -305,7 +314,7 @@ class DrafterModel(DraftModel):
         w_kv, k_norm = self._fused_context_weights()  # [L*2*Hkv*D, d], [1, L, 1, D]
         with torch.no_grad():
             ctx = self.hidden_norm(self.fc(taps))  # [R, d]
-            kv = F.linear(ctx, w_kv).view(r, n_layers, 2, hkv, hd)  # [R, L, 2, Hkv, D]
+            kv = F.linear(ctx, w_kv, self._fused_bias).view(r, n_layers, 2, hkv, hd)
             k, v = kv[:, :, 0], kv[:, :, 1]  # [R, L, Hkv, D] each
             dtype = k.dtype
             k32 = k.float()
@@ -320,12 +329,15 @@ class DrafterModel(DraftModel):
     def _fused_context_weights(self) -> tuple[Tensor, Tensor]:
         layers = [layer.self_attn for layer in self.decoder_layers]
         params = [p for a in layers for p in (a.k_proj.weight, a.v_proj.weight, a.k_norm.weight)]
-        key = tuple((p.data_ptr(), p._version) for p in params)
+        biases: list[Tensor] = [b for a in layers for b in (a.k_proj.bias, a.v_proj.bias)
+                                if b is not None]
+        key = tuple((p.data_ptr(), p._version) for p in params + biases)
         if self._fused_key != key:
             with torch.no_grad():
                 w_kv = torch.cat([w for a in layers
                                   for w in (a.k_proj.weight, a.v_proj.weight)])  # [L*2*Hkv*D, d]
                 k_norm = torch.stack([a.k_norm.weight for a in layers])  # [L, D]
+                self._fused_bias = torch.cat(biases) if biases else None  # [L*2*Hkv*D]
             self._fused = (w_kv, k_norm.view(1, len(layers), 1, -1))
             self._fused_key = key
         return self._fused
@@ -383,15 +395,17 @@ def context_bias(valid: Tensor) -> Tensor:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, k_ctx: Tensor, v_ctx: Tensor, ctx_bias: Tensor,
-           scaling: float) -> Tensor:
-    """Block attention over [context ; block] with no causal mask, the heads of one KV group
-    side by side: q [B, Hkv, G*N, D], k, v [B, Hkv, N, D], k_ctx, v_ctx [B, Hkv, S, D],
-    ctx_bias [B, 1, 1, S] -> [B, Hkv, G*N, D]. Scores and softmax in fp32."""
+           scaling: float, block_bias: Tensor | None = None) -> Tensor:
+    """Block attention over [context ; block], the heads of one KV group side by side:
+    q [B, Hkv, G*N, D], k, v [B, Hkv, N, D], k_ctx, v_ctx [B, Hkv, S, D], ctx_bias
+    [B, 1, 1, S] -> [B, Hkv, G*N, D]. No mask inside the block unless ``block_bias``
+    [G*N, N] (fp32, added to the block scores). Scores and softmax in fp32."""
     s = k_ctx.shape[-2]
     s_ctx = torch.matmul(q, k_ctx.transpose(-1, -2)) * scaling  # [B, Hkv, G*N, S]
     s_blk = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, Hkv, G*N, N]
     s_ctx = s_ctx.float() + ctx_bias  # [B, Hkv, G*N, S]
-    scores = torch.cat([s_ctx, s_blk.float()], dim=-1)  # [B, Hkv, G*N, S+N]
+    s_blk = s_blk.float() if block_bias is None else s_blk.float() + block_bias
+    scores = torch.cat([s_ctx, s_blk], dim=-1)  # [B, Hkv, G*N, S+N]
     probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, Hkv, G*N, S+N]
     out: Tensor = torch.matmul(probs[..., :s], v_ctx) + torch.matmul(probs[..., s:], v)
     return out
@@ -406,15 +420,25 @@ class ContextSource:
     def layer(self, index: int) -> tuple[Tensor, Tensor]:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def newest(self, count: int) -> Tensor:  # pragma: no cover - interface
+        """``valid`` [B, S] narrowed to each lane's newest ``count`` rows (what a
+        sliding-window layer reads)."""
+        raise NotImplementedError
+
 
 class DenseContext(ContextSource):
-    """Context already laid out per lane: K, V [L, B, Hkv, S, D] and valid [B, S]."""
+    """Context already laid out per lane: K, V [L, B, Hkv, S, D] and valid [B, S], the slots
+    in position order."""
 
     def __init__(self, k: Tensor, v: Tensor, valid: Tensor) -> None:
         self.k, self.v, self.valid = k, v, valid
 
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
         return self.k[index], self.v[index]
+
+    def newest(self, count: int) -> Tensor:
+        at_or_after = self.valid.flip(-1).cumsum(-1).flip(-1)  # [B, S] valid slots from s on
+        return self.valid & (at_or_after <= count)
 
 
 M = TypeVar("M", bound=DraftModel)
@@ -432,7 +456,9 @@ def instantiate(model_type: type[M], config: DrafterConfig, tensors: dict[str, T
         model.to(dtype=dtype)
         model.to_empty(device=device)
     else:
-        state = {name: t.to(device=device, dtype=dtype) for name, t in tensors.items()}
+        # Index tensors (a reduced vocabulary's d2t / t2d) keep their integer dtype.
+        state = {name: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                 for name, t in tensors.items()}
         model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     model.eval()
@@ -477,7 +503,7 @@ def head_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
     r = c.markov_rank
     if c.has_markov_head:
         shapes["markov_head.markov_w1.weight"] = (v, r)
-        shapes["markov_head.markov_w2.weight"] = (v, r)
+        shapes["markov_head.markov_w2.weight"] = (c.draft_vocab, r)
         if c.markov_head_type == "gated":
             shapes["markov_head.gate_proj.weight"] = (r, d + r)
             shapes["markov_head.gate_proj.bias"] = (r,)

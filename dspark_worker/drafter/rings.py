@@ -299,12 +299,19 @@ class RingContext(ContextSource):
         slot = torch.arange(w, device=pool.device).unsqueeze(0)  # [1, W]
         # Ring slot s holds position p = s (mod W); inside [start, start + rows) it is valid.
         self.valid = torch.remainder(slot - start.unsqueeze(1), w) < rows.unsqueeze(1)  # [B, W]
+        self._slot, self._end, self._rows = slot, start + rows, rows
 
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
         k, v = self.pool.k[index], self.pool.v[index]  # [P, Hkv, W, D]
         if self._span is not None:
             return k[self._span], v[self._span]  # [B, Hkv, W, D]
         return k.index_select(0, self._lanes_t), v.index_select(0, self._lanes_t)
+
+    def newest(self, count: int) -> Tensor:
+        keep = self._rows.clamp_max(count)  # [B] rows of [end - keep, end)
+        start = self._end - keep
+        age = torch.remainder(self._slot - start.unsqueeze(1), self.pool.window)  # [B, W]
+        return age < keep.unsqueeze(1)
 
 
 def encode_bf16_rows(values: npt.ArrayLike) -> npt.NDArray[np.uint8]:

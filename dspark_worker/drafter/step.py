@@ -57,12 +57,15 @@ def bucket_sizes(largest: int) -> tuple[int, ...]:
 def draft_step(model: DraftModel, anchor: Tensor, token: Tensor, n: int, context: ContextSource,
                sampling: DeviceSampling | None, keep_logits: bool = False,
                draft_topk: int = 0) -> dict[str, Tensor]:
-    """One draft step for B lanes: anchor positions and tokens [B] int64 on the device."""
-    block_ids = torch.full((anchor.shape[0], n), model.config.mask_token_id,
-                           dtype=torch.int64, device=anchor.device)  # [B, N]
+    """One draft step for B lanes: anchor positions and tokens [B] int64 on the device. The
+    block has the config's lead rows (the bonus-token anchor's row, no draft) before the N
+    drafted ones; draft and support ids come back as target ids."""
+    rows = model.config.lead_rows + n
+    block_ids = torch.full((anchor.shape[0], rows), model.config.mask_token_id,
+                           dtype=torch.int64, device=anchor.device)  # [B, lead + N]
     block_ids[:, 0] = token
-    block_pos = anchor.unsqueeze(1) + torch.arange(n, device=anchor.device)  # [B, N]
-    hf = model.backbone(block_ids, block_pos, context)  # [B, N, d]
+    block_pos = anchor.unsqueeze(1) + torch.arange(rows, device=anchor.device)  # [B, lead + N]
+    hf = model.backbone(block_ids, block_pos, context)  # [B, lead + N, d]
     out = markov_walk(model, hf, None, token, sampling, keep_logits, draft_topk)
     result = {"draft_ids": out.draft_ids, "confidence": out.confidence, "margin": out.margin}
     if out.support_ids is not None and out.proposal_q is not None:

@@ -7,6 +7,12 @@ value, so the walk can be captured in a CUDA graph (``step``). ``U`` comes from 
 in the model dtype, finished to fp32 one position at a time. With ``draft_topk`` k (vLLM's
 ``dspark_draft_topk``) the bias is added to the k best entries of ``U_j`` only and every other
 id counts as -inf (:func:`candidate_position`).
+
+A family with a reduced draft vocabulary (``config.draft_vocab`` < ``vocab_size``) picks in the
+draft vocabulary and maps the pick, and every support id with q > 0, to target ids
+(``model.target_ids``, a device gather; increasing, so q's canonical order holds in target
+ids). Lead rows (``config.lead_rows``, the anchor's row where the anchor is the bonus token)
+draft nothing; the rnn head's state steps through them with ``prev = anchor_token``.
 """
 
 from __future__ import annotations
@@ -38,44 +44,50 @@ class WalkOutput:
     margin: Tensor  # [B, N] fp32
     support_ids: Tensor | None  # [B, N, K] int64 (zeros on greedy lanes)
     proposal_q: Tensor | None  # [B, N, K] int64
-    logits: Tensor | None = None  # [B, N, V] fp32 corrected logits z, when asked for
+    logits: Tensor | None = None  # [B, N, Vd] fp32 corrected logits z, when asked for
 
 
 def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor | None, anchor_token: Tensor,
                 sampled: DeviceSampling | None, keep_logits: bool = False,
                 draft_topk: int = 0) -> WalkOutput:
-    """hf [B, N, d] (model dtype), anchor_token [B] int64. ``logits``: the base logits U
-    [B, N, V] fp32, or None to run the LM head here (:func:`head_groups`) and finish each
-    position's U [B, V] in fp32 as the walk reaches it: no [B, N, V] fp32 tensor (at B = 256
-    and a 152k vocabulary that is 1.1 GB, written and read several times). ``draft_topk`` > 0:
-    the candidate walk (:func:`candidate_position`). ``keep_logits`` also returns every
+    """hf [B, lead + N, d] (model dtype, the lead rows first), anchor_token [B] int64.
+    ``logits``: the base logits U [B, N, Vd] fp32 of the drafted rows, or None to run the LM
+    head here (:func:`head_groups`) and finish each position's U [B, Vd] in fp32 as the walk
+    reaches it: no [B, N, Vd] fp32 tensor (at B = 256 and a 152k vocabulary that is 1.1 GB,
+    written and read several times). ``draft_topk`` > 0: the candidate walk
+    (:func:`candidate_position`, over the draft vocabulary). ``keep_logits`` also returns every
     position's corrected logits (tests, diagnostics)."""
-    b, n, _ = hf.shape
+    lead = model.config.lead_rows
+    b, n = hf.shape[0], hf.shape[1] - lead
     group = head_groups(model, b, n)
-    head_out = hf  # the current group's LM head output, [B, group, V] model dtype
+    head_out = hf  # the current group's LM head output, [B, group, Vd] model dtype
     head = model.markov_head
     conf_head = model.confidence_head
     with_markov = model.config.confidence_head_with_markov
+    reduced = model.config.draft_vocab != model.config.vocab_size
     prev = anchor_token  # [B]
     state: Tensor | None = None  # rnn head state [B, r]
+    if head is not None and head.kind == "rnn":
+        for j in range(lead):
+            state = head.step_input(prev, hf[:, j], state)[2]
     drafts, confs, margins, supports, qs, zs = [], [], [], [], [], []
     for j in range(n):
-        hf_j = hf[:, j]  # [B, d]
+        hf_j = hf[:, lead + j]  # [B, d]
         e: Tensor | None = None
         if logits is not None:
-            u = logits[:, j]  # [B, V]
+            u = logits[:, j]  # [B, Vd]
         else:
             if j % group == 0:
-                head_out = model.head_logits(hf[:, j:j + group])  # [B, group, V]
-            u = model.finish_logits(head_out[:, j % group])  # [B, V] fp32
+                head_out = model.head_logits(hf[:, lead + j:lead + j + group])  # [B, group, Vd]
+            u = model.finish_logits(head_out[:, j % group])  # [B, Vd] fp32
         if draft_topk:
             x, top2, ids, q, z, e, state = candidate_position(
                 model, u, hf_j, prev, state, draft_topk, sampled, keep_logits)
         else:
-            z = u  # [B, V]
+            z = u  # [B, Vd]
             if head is not None:
-                e, bias, state = head.step(prev, hf_j, state)  # e [B, r], bias [B, V]
-                z = z + bias.float()  # [B, V]
+                e, bias, state = head.step(prev, hf_j, state)  # e [B, r], bias [B, Vd]
+                z = z + bias.float()  # [B, Vd]
             x = torch.argmax(z, dim=-1)  # [B] first maximum: ties to the lower id
             ids = q = None
             if sampled is not None:
@@ -88,6 +100,8 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor | None, anchor_tok
             drawn = sampling.draw(ids, q, sampled.u[:, j])  # [B]
             keep = sampled.is_sampled.unsqueeze(1)  # [B, 1]
             x = torch.where(sampled.is_sampled, drawn, x)  # [B]
+            if reduced:
+                ids = torch.where(q > 0, model.target_ids(ids), 0)  # [B, K] target ids
             supports.append(torch.where(keep, ids, 0))
             qs.append(torch.where(keep, q, 0))
         margins.append(top2[:, 0] - top2[:, 1])  # [B]
@@ -97,6 +111,8 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor | None, anchor_tok
             confs.append(torch.sigmoid(score / model.confidence_temperature[j]))  # [B]
         else:
             confs.append(torch.ones(b, dtype=torch.float32, device=hf.device))  # [B]
+        if reduced:
+            x = model.target_ids(x)  # [B] target ids
         drafts.append(x)
         prev = x
     return WalkOutput(
@@ -105,7 +121,7 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor | None, anchor_tok
         margin=torch.stack(margins, dim=1),  # [B, N]
         support_ids=torch.stack(supports, dim=1) if sampled is not None else None,  # [B, N, K]
         proposal_q=torch.stack(qs, dim=1) if sampled is not None else None,  # [B, N, K]
-        logits=torch.stack(zs, dim=1) if keep_logits else None,  # [B, N, V]
+        logits=torch.stack(zs, dim=1) if keep_logits else None,  # [B, N, Vd]
     )
 
 
@@ -119,7 +135,7 @@ def head_groups(model: DraftModel, b: int, n: int, budget: int | None = None) ->
     """Positions per LM head GEMM for B lanes: all N when their output fits ``budget``
     (default ``HEAD_BYTES_BUDGET``)."""
     budget = HEAD_BYTES_BUDGET if budget is None else budget
-    per_position = b * model.config.vocab_size * model.lm_head.weight.element_size()
+    per_position = b * model.config.draft_vocab * model.lm_head.weight.element_size()
     return max(1, min(n, budget // max(per_position, 1)))
 
 

@@ -10,7 +10,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from worker_harness import TEST_MAX_SLOTS, ThreadWorker, make_hello, tap_rows, worker_config
+from worker_harness import (
+    TEST_MAX_SLOTS,
+    ThreadWorker,
+    WithReplay,
+    make_hello,
+    tap_rows,
+    worker_config,
+)
 
 from dspark_worker.config import ConfigError, WorkerConfig
 from dspark_worker.drafter.step import EagerReplay, Replay, bucket_sizes
@@ -27,21 +34,6 @@ class OffByOne(EagerReplay):
         ids = self.outputs["draft_ids"].clone()
         ids[:, 0] += 1
         self.outputs["draft_ids"] = ids
-
-
-class WithReplay:
-    """The drafter, its graphs made by ``replay`` instead of CUDA; everything else as is."""
-
-    def __init__(self, inner: Any, replay: type[Replay]) -> None:
-        self._inner, self._replay = inner, replay
-        self.modes: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def prepare_graphs(self, pool: Any, largest: int, mode: str = "auto") -> Any:
-        self.modes.append(mode)
-        return self._inner.prepare_graphs(pool, largest, mode, replay=self._replay)
 
 
 def metric(w: ThreadWorker, name: str) -> float:

@@ -298,3 +298,19 @@ def wait_until(pred: Callable[[], Any], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+class WithReplay:
+    """The drafter, its static-step graphs made by ``replay`` (``drafter.step``: the CPU
+    stand-in of a CUDA graph) instead of CUDA; everything else as is."""
+
+    def __init__(self, inner: Any, replay: Any) -> None:
+        self._inner, self._replay = inner, replay
+        self.modes: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def prepare_graphs(self, pool: Any, largest: int, mode: str = "auto") -> Any:
+        self.modes.append(mode)
+        return self._inner.prepare_graphs(pool, largest, mode, replay=self._replay)

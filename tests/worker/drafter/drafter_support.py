@@ -8,15 +8,19 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from dspark_worker.drafter import (
     Drafter,
     DrafterConfig,
+    DraftResult,
+    SamplingParams,
     encode_bf16_rows,
     from_tensors,
     random_tensors,
 )
+from dspark_worker.drafter.step import EagerReplay
 
 TINY = DrafterConfig(
     hidden_size=64,
@@ -54,3 +58,70 @@ def make_rows(rng: np.random.Generator, n: int, config: DrafterConfig = TINY) ->
     """n random tap rows as wire bytes, uint8 [n, row_bytes]."""
     values = rng.standard_normal((n, config.tap_width)).astype(np.float32) * 2.0
     return encode_bf16_rows(values)
+
+
+# -- the static draft step ---------------------------------------------------------------------
+
+
+class CountingReplay(EagerReplay):
+    """The CPU stand-in, counting its replays (to see the static step was taken)."""
+
+    count = 0
+
+    def replay(self) -> None:
+        CountingReplay.count += 1
+        super().replay()
+
+
+def params(b: int, seed: int) -> SamplingParams:
+    """Mixed sampling parameters for b lanes: lane 0 sampled, lane 1 greedy, the rest random."""
+    rng = np.random.default_rng(seed)
+    top_k = rng.integers(0, 33, b)
+    top_k[0] = 32  # at least one sampled lane, and greedy ones beside it where b > 1
+    if b > 1:
+        top_k[1] = 0
+    return SamplingParams(top_k=top_k, temperature=rng.uniform(0.5, 1.5, b),
+                          top_p=np.where(rng.random(b) < 0.5, 0.9, 0.0),
+                          seed=rng.integers(0, 2**63, b, dtype=np.uint64),
+                          generation=rng.integers(0, 9, b))
+
+
+def assert_same(got: DraftResult, want: DraftResult, exact: bool = True) -> None:
+    """Ids exactly. ``exact``: q and every float bit for bit too (same shapes: a bucket the
+    batch fills); else q within a few units of 2**24 and floats within 1e-5, since the GEMMs
+    of a padded batch have more rows and may round differently in the last bit."""
+    for name in ("draft_ids", "window_rows"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    if got.proposal_q is not None and want.proposal_q is not None:
+        assert got.support_ids is not None and want.support_ids is not None
+        if exact:
+            np.testing.assert_array_equal(got.support_ids, want.support_ids)
+            np.testing.assert_array_equal(got.proposal_q, want.proposal_q)
+        else:  # the same support, each id's q within a few units (two near-equal q may swap)
+            for a, b in zip(support_q(got), support_q(want), strict=True):
+                assert a.keys() == b.keys()
+                assert max((abs(a[i] - b[i]) for i in a), default=0) <= 64
+    for name in ("confidence", "margin"):
+        tol = 0.0 if exact else 1e-5
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=tol,
+                                   atol=tol, err_msg=name)
+
+
+def support_q(r: DraftResult) -> list[dict[int, int]]:
+    """Per lane and position: support id -> q, over the places holding some."""
+    assert r.support_ids is not None and r.proposal_q is not None
+    ids, q = r.support_ids.reshape(-1, r.support_ids.shape[-1]), r.proposal_q.reshape(
+        -1, r.proposal_q.shape[-1])
+    return [{int(i): int(v) for i, v in zip(ri, rq, strict=True) if v} for ri, rq in zip(ids, q,
+                                                                                      strict=True)]
+
+
+def refuse_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every way to read a tensor's value on the host (what a CUDA graph cannot capture)
+    raises until ``monkeypatch`` undoes it."""
+    def refuse(*_: object) -> None:
+        raise AssertionError("a host read of a tensor's value inside the step")
+
+    for attr in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
+                 "cpu"):
+        monkeypatch.setattr(torch.Tensor, attr, refuse)

@@ -7,6 +7,7 @@ checks (9.2, and 9.3 re-derived draws: integer arithmetic, exact on any device).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,19 +147,31 @@ def test_cuda_warmup_and_embedded_default() -> None:
 
 
 GEMMA4_TINY = Path(__file__).resolve().parent / "data" / "gemma4_tiny"
+SPECULATORS_TINY = Path(__file__).resolve().parent / "data" / "speculators_tiny"
+# The speculators checkpoints with the most to capture: the bonus layout's lead row and rnn
+# step, a reduced vocabulary's d2t map, sliding layers causal in the block.
+SPECULATORS_GRAPHED = ("rnn_bonus_reduced_causal", "gated_bonus_full_sliding")
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma4"])
+def family_on_cuda(family: str, dtype: torch.dtype) -> Drafter:
+    from dspark_worker.drafter import load_drafter
+
+    if family == "qwen3":
+        return cuda_drafter(dtype)
+    if family == "gemma4":
+        return load_drafter(GEMMA4_TINY, device="cuda", dtype=dtype)
+    return load_drafter(SPECULATORS_TINY / family, SPECULATORS_TINY / "target", device="cuda",
+                        dtype=dtype)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma4", *SPECULATORS_GRAPHED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_capture_check_and_equal_eager(dtype: torch.dtype, family: str) -> None:
     """Every bucket captures and passes the start-up self-check (graph replay against the eager
     step on the same buffers, ids exactly); drafts through the graphs then equal eager drafts of
     the same lanes: ids exactly in fp32, and to bf16's near-tie rate in bf16, where the padded
     bucket's GEMMs may round differently."""
-    from dspark_worker.drafter import load_drafter
-
-    gpu = cuda_drafter(dtype) if family == "qwen3" else load_drafter(GEMMA4_TINY, device="cuda",
-                                                                     dtype=dtype)
+    gpu = family_on_cuda(family, dtype)
     config = gpu.config
     pool = gpu.new_pool(16, W)
     report = gpu.prepare_graphs(pool, 12)
@@ -198,17 +211,21 @@ def test_cuda_graph_step_has_no_host_sync() -> None:
     (what capture would refuse) raises."""
     from dspark_worker.drafter.step import StaticStep
 
-    gpu = cuda_drafter(torch.bfloat16)
-    pool = gpu.new_pool(4, W)
-    for sampled_mode in (False, True):
-        step = StaticStep(gpu.model, pool, 4, TINY.block_size, sampled_mode)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch.inference_mode():
-                step.compute()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    for family in ("qwen3", *SPECULATORS_GRAPHED):
+        gpu = family_on_cuda(family, torch.bfloat16)
+        pool = gpu.new_pool(4, W)
+        for sampled_mode in (False, True):
+            step_without_sync(StaticStep(gpu.model, pool, 4, gpu.num_spec, sampled_mode))
+
+
+def step_without_sync(step: Any) -> None:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            step.compute()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_cuda_self_check_falls_back_on_a_wrong_graph() -> None:
@@ -227,9 +244,11 @@ def test_cuda_self_check_falls_back_on_a_wrong_graph() -> None:
     assert report.fallback is not None and "draft_ids" in report.fallback
 
 
-def test_cuda_graphs_of_the_candidate_walk() -> None:
-    """dspark_draft_topk: its graphs capture and pass the self-check too."""
-    gpu = cuda_drafter(torch.bfloat16).with_draft_topk(64)
+@pytest.mark.parametrize("family", ["qwen3", "rnn_bonus_reduced_causal"])
+def test_cuda_graphs_of_the_candidate_walk(family: str) -> None:
+    """dspark_draft_topk: its graphs capture and pass the self-check too (over a reduced draft
+    vocabulary for the speculators checkpoint)."""
+    gpu = family_on_cuda(family, torch.bfloat16).with_draft_topk(64)
     pool = gpu.new_pool(8, W)
     report = gpu.prepare_graphs(pool, 8)
     assert report.fallback is None, report.fallback
