@@ -6,20 +6,17 @@ sampled session's replies hold 9.2 on target ids."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from worker_harness import WithReplay, make_hello, tap_rows, thread_worker
+from worker_harness import WithReplay, check_vectors_and_batching, make_hello, thread_worker
 
 from dspark_worker.drafter.step import EagerReplay
 from protocol import sampled
-from protocol.constants import OP_STEP, RF_NEED_DRAFT, SAMPLE_TOP32, ST_OK
-from protocol.framing import frame
-from protocol.messages import ReqEntry, pack_step
+from protocol.constants import RF_NEED_DRAFT, SAMPLE_TOP32, ST_OK
+from protocol.messages import ReqEntry
 
 DATA = Path(__file__).resolve().parent / "drafter" / "data" / "speculators_tiny"
 
@@ -41,14 +38,6 @@ def case_rows(name: str) -> tuple[list[dict[str, Any]], np.ndarray]:
     rows = np.concatenate([taps[c["taps_key"]].view(torch.int16).numpy().view(np.uint8)
                            .reshape(c["n_rows"], -1) for c in cases])
     return cases, rows
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        time.sleep(0.005)
 
 
 class CountingReplay(EagerReplay):
@@ -76,43 +65,7 @@ def test_sessions_batched_and_the_vectors_over_the_socket(name: str, static: boo
         if static:
             assert d.modes == ["auto"] and d._inner.graphs is not None
             before = CountingReplay.count  # after the self-check's replays
-        a, b = w.connect(), w.connect()
-        for c in (a, b):
-            assert c.hello(make_hello(d, window=64)).status == ST_OK
-        entries = [ReqEntry(slot=i, generation=1, anchor_pos=k["anchor_pos"],
-                            anchor_token=k["anchor_token"], n_rows=k["n_rows"],
-                            flags=RF_NEED_DRAFT) for i, k in enumerate(cases)]
-        got = a.step(entries, rows, d.row_bytes).step()
-        for i, k in enumerate(cases):
-            assert got.draft_ids[i].tolist() == k["ids"]
-            np.testing.assert_allclose(got.confidence[i], k["confidence"], atol=1e-4)
-        rows_b = np.concatenate([tap_rows(d.row_bytes, s, 5, 0, 12 + s) for s in (0, 3)])
-        fill_b = [ReqEntry(slot=s, generation=5, anchor_pos=12 + s, anchor_token=1,
-                           n_rows=12 + s) for s in (0, 3)]
-        assert b.step(fill_b, rows_b, d.row_bytes).status == ST_OK
-        probe_a = [ReqEntry(slot=i, generation=1, anchor_pos=k["anchor_pos"],
-                            anchor_token=k["anchor_token"], flags=RF_NEED_DRAFT)
-                   for i, k in enumerate(cases)]
-        probe_b = [ReqEntry(slot=s, generation=5, anchor_pos=12 + s, anchor_token=290 + s,
-                            flags=RF_NEED_DRAFT) for s in (0, 3)]
-        alone_b = b.step(probe_b, b"", d.row_bytes).step()
-        w.hold_runner()
-        for c, ents in ((a, probe_a), (b, probe_b)):
-            c.send_raw(frame(OP_STEP, c.next_seq(), c.session,
-                             pack_step(1, ents, b"", d.row_bytes)))
-        wait_for(lambda: w.queued_steps() == 2)
-        w.release_runner()
-        ra, rb = a.recv(), b.recv()
-        assert ra.status == ST_OK and rb.status == ST_OK
-        log = w.call(lambda: list(w.app.runner.batch_log))  # type: ignore[union-attr]
-        assert log[-1] == (2, 6)  # two STEPs, six entries, one draft call
-        ta, tb = ra.step(), rb.step()
-        for i, k in enumerate(cases):
-            assert ta.draft_ids[i].tolist() == k["ids"]
-        assert tb.draft_ids.tolist() == alone_b.draft_ids.tolist()
-        np.testing.assert_allclose(tb.confidence, alone_b.confidence, atol=1e-5)
-        a.close()
-        b.close()
+        check_vectors_and_batching(w, d, cases, rows, window=64, probe_token=290)
     # three draft calls (the vectors, b alone, the two together); b's fill drafts nothing
     assert CountingReplay.count - before == (3 if static else 0)
 

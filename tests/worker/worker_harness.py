@@ -314,3 +314,53 @@ class WithReplay:
     def prepare_graphs(self, pool: Any, largest: int, mode: str = "auto") -> Any:
         self.modes.append(mode)
         return self._inner.prepare_graphs(pool, largest, mode, replay=self._replay)
+
+
+def check_vectors_and_batching(w: ThreadWorker, d: Any, cases: list[dict[str, Any]],
+                               rows: np.ndarray, *, window: int = TEST_WINDOW,
+                               probe_token: int = 20) -> None:
+    """Session a sends a family's vector cases (slot i = case i, each with its own rows) and
+    gets their ids and confidences; session b fills slots 0 and 3 with rows of its own; then
+    one STEP of each, held back until both are queued, runs as one device batch (contract 7.2
+    step 6) and drafts what each drafts alone. ``probe_token``: b's anchor tokens start there."""
+    from protocol.constants import OP_STEP, RF_NEED_DRAFT, ST_OK
+
+    a, b = w.connect(), w.connect()
+    try:
+        for c in (a, b):
+            assert c.hello(make_hello(d, window=window)).status == ST_OK
+        entries = [ReqEntry(slot=i, generation=1, anchor_pos=k["anchor_pos"],
+                            anchor_token=k["anchor_token"], n_rows=k["n_rows"],
+                            flags=RF_NEED_DRAFT) for i, k in enumerate(cases)]
+        got = a.step(entries, rows, d.row_bytes).step()
+        for i, k in enumerate(cases):
+            assert got.draft_ids[i].tolist() == k["ids"]
+            np.testing.assert_allclose(got.confidence[i], k["confidence"], atol=1e-4)
+        rows_b = np.concatenate([tap_rows(d.row_bytes, s, 5, 0, 12 + s) for s in (0, 3)])
+        fill_b = [ReqEntry(slot=s, generation=5, anchor_pos=12 + s, anchor_token=1,
+                           n_rows=12 + s) for s in (0, 3)]
+        assert b.step(fill_b, rows_b, d.row_bytes).status == ST_OK
+        probe_a = [ReqEntry(slot=i, generation=1, anchor_pos=k["anchor_pos"],
+                            anchor_token=k["anchor_token"], flags=RF_NEED_DRAFT)
+                   for i, k in enumerate(cases)]
+        probe_b = [ReqEntry(slot=s, generation=5, anchor_pos=12 + s,
+                            anchor_token=probe_token + s, flags=RF_NEED_DRAFT) for s in (0, 3)]
+        alone_b = b.step(probe_b, b"", d.row_bytes).step()
+        w.hold_runner()
+        for c, ents in ((a, probe_a), (b, probe_b)):
+            c.send_raw(frame(OP_STEP, c.next_seq(), c.session,
+                             pack_step(1, ents, b"", d.row_bytes)))
+        assert wait_until(lambda: w.queued_steps() == 2, timeout=20.0), "STEPs not queued"
+        w.release_runner()
+        ra, rb = a.recv(), b.recv()
+        assert ra.status == ST_OK and rb.status == ST_OK
+        log = w.call(lambda: list(w.app.runner.batch_log))  # type: ignore[union-attr]
+        assert log[-1] == (2, len(cases) + 2)  # two STEPs, every entry, one draft call
+        ta, tb = ra.step(), rb.step()
+        for i, k in enumerate(cases):
+            assert ta.draft_ids[i].tolist() == k["ids"]
+        assert tb.draft_ids.tolist() == alone_b.draft_ids.tolist()
+        np.testing.assert_allclose(tb.confidence, alone_b.confidence, atol=1e-5)
+    finally:
+        a.close()
+        b.close()
