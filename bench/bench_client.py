@@ -20,7 +20,11 @@ bench/), which is how before-and-after figures are taken.
 
 Rounds (``bench_rounds``): ``DraftRounds.run_batch`` and ``run`` (one ``SlotRequest`` per slot)
 with every slot continuing with 4 new rows of 768 bytes, against the same stub; ``--repeat``
-prints them beside ``step()`` with the ratio of each round to ``step()`` alone.
+prints them beside ``step()`` with the ratio of each round to ``step()`` alone (``--slots 1,256``
+for other sizes). Each round is given whole and as its ``critical`` time: the whole less the
+work it hands the transport to run while the reply is on its way (the usual round's ring
+write), which the stub, answering at once, runs inside the call; against a real round trip
+longer than that work, the critical time is what the round adds to it.
 """
 
 from __future__ import annotations
@@ -473,6 +477,39 @@ def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
     return out
 
 
+def repeat_rounds(n: int, repeat: int) -> None:
+    """``--repeat``: step() and the rounds at n slots, ``repeat`` short medians each,
+    interleaved; each round's ratio to the step() median of the same pass. A round's
+    ``critical`` figure is its time less the work it ran during the round trip (the usual
+    round's ring write), what it adds to a round trip at least that long."""
+    cases = [("step", sampled, as_array) for as_array in (False, True)
+             for sampled in (False, True) if not as_array or takes_arrays()]
+    forms = ("batch", "list") if hasattr(DraftRounds, "run_batch") else ("list",)
+    cases += [(form, sampled, False) for form in forms for sampled in (False, True)]
+    got: dict[tuple[str, bool, bool], list[float]] = {c: [] for c in cases}
+    crit: dict[tuple[str, bool, bool], list[float]] = {c: [] for c in cases}
+    for _ in range(repeat):
+        for what, sampled, as_array in cases:
+            r = (bench_step(n, sampled, 0.3, 0.0, as_array=as_array) if what == "step"
+                 else bench_rounds(n, sampled, 0.3, form=what))
+            got[(what, sampled, as_array)].append(r["median_us"])
+            crit[(what, sampled, as_array)].append(r.get("critical_us", r["median_us"]))
+    names = {"step": "step", "batch": "run_batch", "list": "run"}
+    for (what, sampled, as_array), meds in got.items():
+        name = "step[array]" if as_array else names[what]
+        mode = "sampled" if sampled else "greedy"
+        print(f"{name:<11} {mode:<8} n {n}: min {min(meds):.1f} median"
+              f" {statistics.median(meds):.1f} us over {len(meds)} rounds")
+        if what == "step":
+            continue
+        base = got[("step", sampled, False)]  # the round against step() alone, pass by pass
+        c = crit[(what, sampled, as_array)]
+        print(f"{'':<20}   x step(): " + " ".join(f"{m / b:.2f}" for m, b in zip(
+            meds, base, strict=True)))
+        print(f"{'':<20}   critical: min {min(c):.1f} median {statistics.median(c):.1f} us,"
+              " x step(): " + " ".join(f"{m / b:.2f}" for m, b in zip(c, base, strict=True)))
+
+
 def main(argv: list[str] | None = None) -> int:
     global TOP_K
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -490,10 +527,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: sampled step() at 256 entries when the stub sleeps this many"
                         " ms before it answers (0 = not), the client's own time per STEP")
     p.add_argument("--repeat", type=int, default=0, metavar="ROUNDS",
-                   help="instead: step() at 256 entries (greedy and sampled, entries as"
-                        " objects and, where taken, as an array) and the rounds (run_batch,"
-                        " run), ROUNDS short medians each, interleaved; prints the smallest and"
-                        " the median of them (a steadier figure on a shared machine)")
+                   help="instead: step() at 256 entries (--slots for others; greedy and"
+                        " sampled, entries as objects and, where taken, as an array) and the"
+                        " rounds (run_batch, run), ROUNDS short medians each, interleaved;"
+                        " prints the smallest and the median of them (a steadier figure on a"
+                        " shared machine) and each round's ratio to step(), whole and less"
+                        " the work it runs during the round trip")
+    p.add_argument("--slots", type=str, default="256", metavar="N,N",
+                   help="the slots --repeat runs at (default 256)")
     p.add_argument("--acceptance", type=int, default=0, metavar="ROUNDS",
                    help="instead: the acceptance hook step() runs once a reply is in, on its"
                         " dearest path, at 64 and 256 entries, ROUNDS short medians each")
@@ -506,26 +547,8 @@ def main(argv: list[str] | None = None) -> int:
                   f" us over {len(meds)} rounds")
         return 0
     if args.repeat:
-        cases = [("step", sampled, as_array) for as_array in (False, True)
-                 for sampled in (False, True) if not as_array or takes_arrays()]
-        forms = ("batch", "list") if hasattr(DraftRounds, "run_batch") else ("list",)
-        cases += [(form, sampled, False) for form in forms for sampled in (False, True)]
-        got: dict[tuple[str, bool, bool], list[float]] = {c: [] for c in cases}
-        for _ in range(args.repeat):
-            for what, sampled, as_array in cases:
-                r = (bench_step(256, sampled, 0.3, 0.0, as_array=as_array) if what == "step"
-                     else bench_rounds(256, sampled, 0.3, form=what))
-                got[(what, sampled, as_array)].append(r["median_us"])
-        names = {"step": "step", "batch": "run_batch", "list": "run"}
-        for (what, sampled, as_array), meds in got.items():
-            name = "step[array]" if as_array else names[what]
-            ratio = ""
-            if what != "step":  # the round against step() alone, round by round
-                base = got[("step", sampled, False)]
-                ratio = "  x step(): " + " ".join(f"{m / b:.2f}" for m, b in zip(
-                    meds, base, strict=True))
-            print(f"{name:<11} {'sampled' if sampled else 'greedy':<8} n 256: min {min(meds):.1f}"
-                  f" median {statistics.median(meds):.1f} us over {len(meds)} rounds{ratio}")
+        for n in (int(x) for x in args.slots.split(",")):
+            repeat_rounds(n, args.repeat)
         return 0
     if args.after_sleep:
         for ms in (float(x) for x in args.after_sleep.split(",")):
@@ -566,16 +589,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.rtt_us:
         print(f"added: what step() adds to a {args.rtt_us:.0f} us round trip (its median less"
               " the round trip; work on the request alone runs during it)")
+    print("critical: a round's median less the work it runs during the round trip (the usual"
+          " round's ring write)")
     print(f"{'what':<11} {'mode':<8} {'n':>4} {'median us':>10} {'p90 us':>9} {'added':>7}"
-          "  parts (median us)")
+          f" {'critical':>8}  parts (median us)")
     for r in results:
         if "median_us" not in r:
             continue
         mode = "sampled" if r["sampled"] else "greedy"
         parts = ", ".join(f"{k} {v}" for k, v in r.get("parts", {}).items())
         added = f"{r['added_us']:>7.1f}" if "added_us" in r else " " * 7
+        critical = f"{r['critical_us']:>8.1f}" if "critical_us" in r else " " * 8
         print(f"{r['what']:<11} {mode:<8} {r['n']:>4} {r['median_us']:>10.1f}"
-              f" {r['p90_us']:>9.1f} {added}  {parts}")
+              f" {r['p90_us']:>9.1f} {added} {critical}  {parts}")
     return 0
 
 

@@ -616,9 +616,11 @@ class DraftRounds:
         epoch = client.connection_epoch()
         # Taken until this round ends well: any other way out leaves no usual round behind.
         usual, self._usual = self._usual, None
-        W = self.window
+        n_rows = -1  # rows in the STEP
         if usual is not None and rnd.usual and epoch == usual.epoch and \
-                rnd.n_rows.max() <= W and int(rnd.n_rows.sum()) <= self.row_budget:
+                rnd.n_rows.max() <= self.window:
+            n_rows = int(rnd.n_rows.sum())
+        if 0 <= n_rows <= self.row_budget:
             # Every slot continues with exactly its new rows within the budget: the plan of
             # ``_plan``'s first case, known without looking at the per-slot state (the last
             # round left every window valid, sent every slot whole and reset their ages).
@@ -639,7 +641,8 @@ class DraftRounds:
         if m + len(releases) == 0:  # everything deferred: nothing to send this round
             return self._failed(n, "deferred")
         slots = rnd.slots if m == n else rnd.slots[chosen]
-        n_rows = int(k.sum())
+        if usual is None:
+            n_rows = int(k.sum())
         # The usual round: every request continues with exactly its new rows, in order, so
         # the STEP's rows are the engine's array, and they reach the ring while the reply is
         # on its way (the ring write is the round's largest memory traffic).
