@@ -21,10 +21,11 @@ bench/), which is how before-and-after figures are taken.
 Rounds (``bench_rounds``): ``DraftRounds.run_batch`` and ``run`` (one ``SlotRequest`` per slot)
 with every slot continuing with 4 new rows of 768 bytes, against the same stub; ``--repeat``
 prints them beside ``step()`` with the ratio of each round to ``step()`` alone (``--slots 1,256``
-for other sizes). Each round is given whole and as its ``critical`` time: the whole less the
-work it hands the transport to run while the reply is on its way (the usual round's ring
-write), which the stub, answering at once, runs inside the call; against a real round trip
-longer than that work, the critical time is what the round adds to it.
+for other sizes). Each call is given whole and as its ``critical`` time: the whole less the
+work it hands the transport to run while the reply is on its way (``step()``'s checks made
+ahead of the reply, and the usual round's ring write), which the stub, answering at once,
+runs inside the call; against a real round trip longer than that work, the critical time is
+what the call adds to it.
 """
 
 from __future__ import annotations
@@ -217,6 +218,13 @@ def bench_step(n: int, sampled: bool, seconds: float, rtt_us: float = 0.0,
     out = client.step(buf, entries, n, 1, rows=rows)
     assert out.ok, (out.reason, client.stats.get("last_bad_reply"))
     res = timeit(lambda: client.step(buf, entries, n, 1, rows=rows), seconds)
+    critical = []  # each call less the work it ran during the round trip
+    for _ in range(int(res["iters"])):
+        waited = stub.waited_us
+        t0 = time.perf_counter_ns()
+        client.step(buf, entries, n, 1, rows=rows)
+        critical.append((time.perf_counter_ns() - t0) / 1000.0 - (stub.waited_us - waited))
+    res["critical_us"] = statistics.median(critical)
     if rtt_us:  # what step() adds to a round trip of rtt_us: its time less the round trip
         stub.rtt_us = rtt_us
         added = timeit(lambda: client.step(buf, entries, n, 1, rows=rows), seconds)
@@ -479,9 +487,10 @@ def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
 
 def repeat_rounds(n: int, repeat: int) -> None:
     """``--repeat``: step() and the rounds at n slots, ``repeat`` short medians each,
-    interleaved; each round's ratio to the step() median of the same pass. A round's
-    ``critical`` figure is its time less the work it ran during the round trip (the usual
-    round's ring write), what it adds to a round trip at least that long."""
+    interleaved; each round's ratio to the step() median of the same pass. The ``critical``
+    figures are the time less the work run during the round trip (step()'s own checks made
+    ahead, and the usual round's ring write): what a call adds to a round trip at least that
+    long."""
     cases = [("step", sampled, as_array) for as_array in (False, True)
              for sampled in (False, True) if not as_array or takes_arrays()]
     forms = ("batch", "list") if hasattr(DraftRounds, "run_batch") else ("list",)
@@ -501,13 +510,17 @@ def repeat_rounds(n: int, repeat: int) -> None:
         print(f"{name:<11} {mode:<8} n {n}: min {min(meds):.1f} median"
               f" {statistics.median(meds):.1f} us over {len(meds)} rounds")
         if what == "step":
+            c = crit[(what, sampled, as_array)]
+            print(f"{'':<20}   critical: min {min(c):.1f} median {statistics.median(c):.1f} us")
             continue
         base = got[("step", sampled, False)]  # the round against step() alone, pass by pass
+        base_c = crit[("step", sampled, False)]
         c = crit[(what, sampled, as_array)]
         print(f"{'':<20}   x step(): " + " ".join(f"{m / b:.2f}" for m, b in zip(
             meds, base, strict=True)))
         print(f"{'':<20}   critical: min {min(c):.1f} median {statistics.median(c):.1f} us,"
-              " x step(): " + " ".join(f"{m / b:.2f}" for m, b in zip(c, base, strict=True)))
+              " x step()'s critical: " + " ".join(f"{m / b:.2f}" for m, b in zip(
+                  c, base_c, strict=True)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -589,8 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rtt_us:
         print(f"added: what step() adds to a {args.rtt_us:.0f} us round trip (its median less"
               " the round trip; work on the request alone runs during it)")
-    print("critical: a round's median less the work it runs during the round trip (the usual"
-          " round's ring write)")
+    print("critical: the median less the work run during the round trip (step()'s checks"
+          " made ahead, the usual round's ring write)")
     print(f"{'what':<11} {'mode':<8} {'n':>4} {'median us':>10} {'p90 us':>9} {'added':>7}"
           f" {'critical':>8}  parts (median us)")
     for r in results:

@@ -653,7 +653,7 @@ class DraftRounds:
             self._write_rows(rnd)
         rows = self._stage(rnd, chosen, k, end, n_rows, direct)
         if usual is not None and not len(releases):
-            entries = self._entries_again(rnd, usual.entries)
+            entries = self._entries_again(rnd, usual)
         else:
             entries = self._entries(rnd, chosen, kind, k, end, releases)
         self._step_id += 1
@@ -831,16 +831,21 @@ class DraftRounds:
         e[m:] = releases
         return e
 
-    def _entries_again(self, rnd: _Round, e: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    def _entries_again(self, rnd: _Round, usual: _Usual) -> npt.NDArray[Any]:
         """The usual round's entries: the last round's array, whose slots and generations are
         this round's, with the rest written again (every entry continues: no RF_RESET)."""
+        e = usual.entries
         e["anchor_pos"] = rnd.anchor_pos
         e["anchor_token"] = rnd.anchor_token
         e["n_rows"] = rnd.n_rows
         e["n_out"] = rnd.n_out
         e["flags"] = np.where(rnd.n_out != 0, wire.RF_NEED_DRAFT, 0)
-        if not rnd.same_sampling:
-            self._sampling(e, rnd, len(e))
+        if rnd.top_k is not None:
+            if not rnd.same_sampling:
+                self._sampling(e, rnd, len(e))
+        elif usual.sampling is not None:  # no sampling this round: greedy entries
+            for name in ("seed", "top_k", "temperature", "top_p"):
+                e[name] = 0
         return e
 
     def _sampling(self, e: npt.NDArray[Any], rnd: _Round, m: int,

@@ -178,6 +178,29 @@ def test_sampling_changes_on_the_short_cut() -> None:
         p.close()
 
 
+def test_a_usual_round_without_sampling_after_one_with() -> None:
+    """On a sampled session, a usual round given no sampling columns sends greedy entries
+    (sampling fields zero), as the general path does, though the kept entries had them."""
+    p = Pair(sampled=True)
+    try:
+        start(p, [0, 1])
+        assert p.round([0, 1])
+        for r in (p.ra, p.rb):
+            # The rows committed since the last round (History keeps them owed).
+            rows = np.concatenate([rows_for(s, 1, p.hist.anchor[s] - 2, p.hist.anchor[s])
+                                   for s in (0, 1)])
+            res = r.run_batch([0, 1], 1, [p.hist.anchor[s] for s in (0, 1)], 5, N, rows,
+                              [2, 2])
+            assert res.ok
+        assert p.general[0] == 1  # the short way
+        assert p.la.steps == p.lb.steps
+        entries = np.frombuffer(p.la.steps[-1], wire.ENTRY_DTYPE, count=2,
+                                offset=wire.APP_HEADER_SIZE + wire.STEP_HEADER_SIZE)
+        assert not entries["top_k"].any() and not entries["seed"].any()
+    finally:
+        p.close()
+
+
 def test_an_engine_reusing_its_arrays_does_not_fool_the_short_cut(pair: Pair) -> None:
     """The last round is kept as copies: an engine that writes its next round into the same
     arrays (as an input batch does) is compared with what was sent, not with itself."""
