@@ -240,6 +240,19 @@ def _column(values: Any, n: int, name: str, dtype: Any) -> Any:
     return raw.astype(dtype, copy=False)
 
 
+# Up to this many requests, a column's bounds and comparisons go through Python ints: on a few
+# values numpy's fixed cost per call is most of the work.
+_FEW: Final = 4
+
+
+def _bounds(x: Any) -> tuple[Any, Any]:
+    """(min, max) of a non-empty column."""
+    if len(x) <= _FEW:
+        v = x.tolist()
+        return min(v), max(v)
+    return x.min(), x.max()
+
+
 def _py(value: Any) -> Any:
     """A numpy scalar as the Python value (for messages)."""
     return value.item() if isinstance(value, np.generic) else value
@@ -406,7 +419,7 @@ class DraftRounds:
                 f"rows must be a uint8 array [n, {self.row_bytes}], got"
                 f" {getattr(rows, 'dtype', type(rows).__name__)} {getattr(rows, 'shape', '')}")
         counts = _column(0 if n_rows is None else n_rows, n, "n_rows", np.int64)
-        if counts.dtype == object or (n and counts.min() < 0):
+        if counts.dtype == object or (n and _bounds(counts)[0] < 0):
             i = int(np.flatnonzero(counts < 0)[0]) if counts.dtype != object else 0
             raise ValueError(f"n_rows[{i}] is {_py(counts[i])}: row counts are >= 0")
         have = 0 if rows is None else rows.shape[0]
@@ -545,6 +558,9 @@ class DraftRounds:
             return False
         if s.dtype == object or g.dtype == object or a.dtype == object:
             return False
+        if len(s) <= _FEW:
+            return bool(s.tolist() == u.slots.tolist() and g.tolist() == u.generation.tolist()
+                        and (a - counts).tolist() == u.anchor_pos.tolist())
         return bool((s == u.slots).all() and (g == u.generation).all()
                     and (a - counts == u.anchor_pos).all())
 
@@ -571,16 +587,17 @@ class DraftRounds:
             return False
         S, U32 = self.max_slots, wire.U32_MASK
         if not usual:
-            if s.min() < 0 or s.max() >= S or np.bincount(s, minlength=S).max() > 1:
+            s_lo, s_hi = _bounds(s)
+            if s_lo < 0 or s_hi >= S or np.bincount(s, minlength=S).max() > 1:
                 return False
             # A free slot's generation is _NONE (-1): below every generation >= 0.
-            if g.min() < 0 or (g < self._gen[s]).any():
+            if _bounds(g)[0] < 0 or (g < self._gen[s]).any():
                 return False
-            if a.min() < 0 or (counts > a).any():
+            if _bounds(a)[0] < 0 or (counts > a).any():
                 return False
-        if a.max() > U32 or t.min() < 0 or t.max() > U32:
-            return False
-        if k.min() < 0 or k.max() > self.num_spec:
+        t_lo, t_hi = _bounds(t)
+        k_lo, k_hi = _bounds(k)
+        if _bounds(a)[1] > U32 or t_lo < 0 or t_hi > U32 or k_lo < 0 or k_hi > self.num_spec:
             return False
         if sampling is None:
             return True
@@ -618,7 +635,7 @@ class DraftRounds:
         usual, self._usual = self._usual, None
         n_rows = -1  # rows in the STEP
         if usual is not None and rnd.usual and epoch == usual.epoch and \
-                rnd.n_rows.max() <= self.window:
+                _bounds(rnd.n_rows)[1] <= self.window:
             n_rows = int(rnd.n_rows.sum())
         if 0 <= n_rows <= self.row_budget:
             # Every slot continues with exactly its new rows within the budget: the plan of
@@ -680,7 +697,7 @@ class DraftRounds:
         self._step_ok()
         reply = out.reply
         status = reply.status[:m]
-        if usual is not None and (status == wire.RS_OK).all():
+        if usual is not None and not status.any():  # every status RS_OK (0)
             # Every slot applied its rows: its window ends at the new anchor; generations and
             # the epoch stay as the last round left them.
             self._worker_end[slots] = end
