@@ -20,7 +20,12 @@ bench/), which is how before-and-after figures are taken.
 
 Rounds (``bench_rounds``): ``DraftRounds.run_batch`` and ``run`` (one ``SlotRequest`` per slot)
 with every slot continuing with 4 new rows of 768 bytes, against the same stub; ``--repeat``
-prints them beside ``step()`` with the ratio of each round to ``step()`` alone.
+prints them beside ``step()`` with the ratio of each round to ``step()`` alone (``--slots 1,256``
+for other sizes). Each call is given whole and as its ``critical`` time: the whole less the
+work it hands the transport to run while the reply is on its way (``step()``'s checks made
+ahead of the reply, and the usual round's ring write), which the stub, answering at once,
+runs inside the call; against a real round trip longer than that work, the critical time is
+what the call adds to it.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class StubTransport:
         self.step_reply = b""
         self.rtt_us = 0.0
         self.sleep_s = 0.0
+        self.waited_us = 0.0  # time spent in the client's while_waiting work, all calls
 
     def connect(self, timeout: float) -> None:
         pass
@@ -79,6 +85,7 @@ class StubTransport:
         sent_at = time.perf_counter()
         if while_waiting is not None:
             while_waiting()
+            self.waited_us += (time.perf_counter() - sent_at) * 1e6
         if self.rtt_us:
             until = sent_at + self.rtt_us * 1e-6
             while time.perf_counter() < until:
@@ -211,6 +218,13 @@ def bench_step(n: int, sampled: bool, seconds: float, rtt_us: float = 0.0,
     out = client.step(buf, entries, n, 1, rows=rows)
     assert out.ok, (out.reason, client.stats.get("last_bad_reply"))
     res = timeit(lambda: client.step(buf, entries, n, 1, rows=rows), seconds)
+    critical = []  # each call less the work it ran during the round trip
+    for _ in range(int(res["iters"])):
+        waited = stub.waited_us
+        t0 = time.perf_counter_ns()
+        client.step(buf, entries, n, 1, rows=rows)
+        critical.append((time.perf_counter_ns() - t0) / 1000.0 - (stub.waited_us - waited))
+    res["critical_us"] = statistics.median(critical)
     if rtt_us:  # what step() adds to a round trip of rtt_us: its time less the round trip
         stub.rtt_us = rtt_us
         added = timeit(lambda: client.step(buf, entries, n, 1, rows=rows), seconds)
@@ -446,16 +460,20 @@ def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
         return lambda: rounds.run(reqs)
 
     times: list[float] = []
+    critical: list[float] = []  # the same less the work run during the round trip
     deadline = time.perf_counter() + seconds
     while len(times) < 60 or time.perf_counter() < deadline:
         call = prepare()
+        waited = stub.waited_us
         t0 = time.perf_counter_ns()
         out = call()
         dt = (time.perf_counter_ns() - t0) / 1000.0
         if not out.ok:
             raise RuntimeError(f"round failed: {out.reason} {client.stats.get('last_bad_reply')}")
         times.append(dt)
+        critical.append(dt - (stub.waited_us - waited))
     times = sorted(times[10:])  # the first rounds warm the caches
+    critical = sorted(critical[10:])
     client.close()
     out = {"what": f"rounds.{'run_batch' if form == 'batch' else 'run'}", "n": n, "N": N,
            "sampled": sampled, "rows_per_slot": k, "row_bytes": ROW_BYTES,
@@ -463,7 +481,47 @@ def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
            "min_us": times[0], "iters": float(len(times))}
     if rtt_us:
         out["added_us"] = out["median_us"] - rtt_us
+    else:  # (with a round trip, added_us is the figure: the work runs inside it)
+        out["critical_us"] = statistics.median(critical)
     return out
+
+
+def repeat_rounds(n: int, repeat: int) -> None:
+    """``--repeat``: step() and the rounds at n slots, ``repeat`` short medians each,
+    interleaved; each round's ratio to the step() median of the same pass. The ``critical``
+    figures are the time less the work run during the round trip (step()'s own checks made
+    ahead, and the usual round's ring write): what a call adds to a round trip at least that
+    long."""
+    cases = [("step", sampled, as_array) for as_array in (False, True)
+             for sampled in (False, True) if not as_array or takes_arrays()]
+    forms = ("batch", "list") if hasattr(DraftRounds, "run_batch") else ("list",)
+    cases += [(form, sampled, False) for form in forms for sampled in (False, True)]
+    got: dict[tuple[str, bool, bool], list[float]] = {c: [] for c in cases}
+    crit: dict[tuple[str, bool, bool], list[float]] = {c: [] for c in cases}
+    for _ in range(repeat):
+        for what, sampled, as_array in cases:
+            r = (bench_step(n, sampled, 0.3, 0.0, as_array=as_array) if what == "step"
+                 else bench_rounds(n, sampled, 0.3, form=what))
+            got[(what, sampled, as_array)].append(r["median_us"])
+            crit[(what, sampled, as_array)].append(r.get("critical_us", r["median_us"]))
+    names = {"step": "step", "batch": "run_batch", "list": "run"}
+    for (what, sampled, as_array), meds in got.items():
+        name = "step[array]" if as_array else names[what]
+        mode = "sampled" if sampled else "greedy"
+        print(f"{name:<11} {mode:<8} n {n}: min {min(meds):.1f} median"
+              f" {statistics.median(meds):.1f} us over {len(meds)} rounds")
+        if what == "step":
+            c = crit[(what, sampled, as_array)]
+            print(f"{'':<20}   critical: min {min(c):.1f} median {statistics.median(c):.1f} us")
+            continue
+        base = got[("step", sampled, False)]  # the round against step() alone, pass by pass
+        base_c = crit[("step", sampled, False)]
+        c = crit[(what, sampled, as_array)]
+        print(f"{'':<20}   x step(): " + " ".join(f"{m / b:.2f}" for m, b in zip(
+            meds, base, strict=True)))
+        print(f"{'':<20}   critical: min {min(c):.1f} median {statistics.median(c):.1f} us,"
+              " x step()'s critical: " + " ".join(f"{m / b:.2f}" for m, b in zip(
+                  c, base_c, strict=True)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -483,10 +541,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: sampled step() at 256 entries when the stub sleeps this many"
                         " ms before it answers (0 = not), the client's own time per STEP")
     p.add_argument("--repeat", type=int, default=0, metavar="ROUNDS",
-                   help="instead: step() at 256 entries (greedy and sampled, entries as"
-                        " objects and, where taken, as an array) and the rounds (run_batch,"
-                        " run), ROUNDS short medians each, interleaved; prints the smallest and"
-                        " the median of them (a steadier figure on a shared machine)")
+                   help="instead: step() at 256 entries (--slots for others; greedy and"
+                        " sampled, entries as objects and, where taken, as an array) and the"
+                        " rounds (run_batch, run), ROUNDS short medians each, interleaved;"
+                        " prints the smallest and the median of them (a steadier figure on a"
+                        " shared machine) and each round's ratio to step(), whole and less"
+                        " the work it runs during the round trip")
+    p.add_argument("--slots", type=str, default="256", metavar="N,N",
+                   help="the slots --repeat runs at (default 256)")
     p.add_argument("--acceptance", type=int, default=0, metavar="ROUNDS",
                    help="instead: the acceptance hook step() runs once a reply is in, on its"
                         " dearest path, at 64 and 256 entries, ROUNDS short medians each")
@@ -499,26 +561,8 @@ def main(argv: list[str] | None = None) -> int:
                   f" us over {len(meds)} rounds")
         return 0
     if args.repeat:
-        cases = [("step", sampled, as_array) for as_array in (False, True)
-                 for sampled in (False, True) if not as_array or takes_arrays()]
-        forms = ("batch", "list") if hasattr(DraftRounds, "run_batch") else ("list",)
-        cases += [(form, sampled, False) for form in forms for sampled in (False, True)]
-        got: dict[tuple[str, bool, bool], list[float]] = {c: [] for c in cases}
-        for _ in range(args.repeat):
-            for what, sampled, as_array in cases:
-                r = (bench_step(256, sampled, 0.3, 0.0, as_array=as_array) if what == "step"
-                     else bench_rounds(256, sampled, 0.3, form=what))
-                got[(what, sampled, as_array)].append(r["median_us"])
-        names = {"step": "step", "batch": "run_batch", "list": "run"}
-        for (what, sampled, as_array), meds in got.items():
-            name = "step[array]" if as_array else names[what]
-            ratio = ""
-            if what != "step":  # the round against step() alone, round by round
-                base = got[("step", sampled, False)]
-                ratio = "  x step(): " + " ".join(f"{m / b:.2f}" for m, b in zip(
-                    meds, base, strict=True))
-            print(f"{name:<11} {'sampled' if sampled else 'greedy':<8} n 256: min {min(meds):.1f}"
-                  f" median {statistics.median(meds):.1f} us over {len(meds)} rounds{ratio}")
+        for n in (int(x) for x in args.slots.split(",")):
+            repeat_rounds(n, args.repeat)
         return 0
     if args.after_sleep:
         for ms in (float(x) for x in args.after_sleep.split(",")):
@@ -559,16 +603,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.rtt_us:
         print(f"added: what step() adds to a {args.rtt_us:.0f} us round trip (its median less"
               " the round trip; work on the request alone runs during it)")
+    print("critical: the median less the work run during the round trip (step()'s checks"
+          " made ahead, the usual round's ring write)")
     print(f"{'what':<11} {'mode':<8} {'n':>4} {'median us':>10} {'p90 us':>9} {'added':>7}"
-          "  parts (median us)")
+          f" {'critical':>8}  parts (median us)")
     for r in results:
         if "median_us" not in r:
             continue
         mode = "sampled" if r["sampled"] else "greedy"
         parts = ", ".join(f"{k} {v}" for k, v in r.get("parts", {}).items())
         added = f"{r['added_us']:>7.1f}" if "added_us" in r else " " * 7
+        critical = f"{r['critical_us']:>8.1f}" if "critical_us" in r else " " * 8
         print(f"{r['what']:<11} {mode:<8} {r['n']:>4} {r['median_us']:>10.1f}"
-              f" {r['p90_us']:>9.1f} {added}  {parts}")
+              f" {r['p90_us']:>9.1f} {added} {critical}  {parts}")
     return 0
 
 

@@ -165,6 +165,27 @@ class _Round(msgspec.Struct, gc=False):
     top_k: Ints | None
     temperature: npt.NDArray[np.float64] | None
     top_p: npt.NDArray[np.float64] | None
+    # The checks found it continuing the last round (``_Usual``): the same slots in the same
+    # order, the same generations, the rows starting where the last anchors were.
+    usual: bool = False
+    same_sampling: bool = False  # the sampling columns are the last round's (``_Usual``)
+
+
+class _Usual(msgspec.Struct, gc=False):
+    """The last round, kept when every request went out whole and every window the worker
+    holds stayed valid (no resync owed): a round with the same slots in the same order, the
+    same generations and new rows that start at the last anchors continues every slot, which
+    three whole-array comparisons show, so its checks and decisions need nothing else."""
+
+    slots: Ints  # copies: the engine may reuse its arrays
+    generation: Ints
+    anchor_pos: Ints
+    epoch: int
+    entries: npt.NDArray[Any]  # that STEP's entries: slot and generation stay as they are
+    # A sampled session's (seed, top_k, temperature, top_p) of that round, as checked (the
+    # seed zero where top_k is): a round that gives them again needs no checks for them, and
+    # its entries' sampling fields are already written.
+    sampling: tuple[Any, Any, Any, Any] | None = None
 
 
 class _Later:
@@ -198,6 +219,8 @@ def _column(values: Any, n: int, name: str, dtype: Any) -> Any:
     cannot hold are kept as Python objects, so that the range checks name them."""
     if type(values) is np.ndarray and values.dtype == dtype and values.shape == (n,):
         return values  # the usual batch column: as it is
+    if type(values) is int and dtype is np.int64 and -(1 << 63) <= values < (1 << 63):
+        return np.full(n, values, np.int64)  # one value for all, as it is
     raw = np.asarray(values)
     if raw.ndim == 0:
         raw = np.full(n, raw[()], raw.dtype)
@@ -215,6 +238,19 @@ def _column(values: Any, n: int, name: str, dtype: Any) -> Any:
               or (kind == "i" and want == "u" and raw.min() < 0)):
         return raw.astype(object)
     return raw.astype(dtype, copy=False)
+
+
+# Up to this many requests, a column's bounds and comparisons go through Python ints: on a few
+# values numpy's fixed cost per call is most of the work.
+_FEW: Final = 4
+
+
+def _bounds(x: Any) -> tuple[Any, Any]:
+    """(min, max) of a non-empty column."""
+    if len(x) <= _FEW:
+        v = x.tolist()
+        return min(v), max(v)
+    return x.min(), x.max()
 
 
 def _py(value: Any) -> Any:
@@ -271,6 +307,12 @@ class DraftRounds:
         self._zero_q = np.zeros((S, N, MAX_TOP_K), np.uint32) if self.sampled else None
         self.rounds = 0
         self.failed_rounds = 0
+        # The last round when the next may continue it (``_Usual``); False: never (the rounds
+        # then always take the general path, which gives the same STEPs, for tests).
+        self._usual: _Usual | None = None
+        self.fast_path = True
+        self._all = np.arange(S, dtype=np.int64)
+        self._zeros = np.zeros(S, np.int64)
 
     # -- public -------------------------------------------------------------------------------
     def needs_resync(self, slot: int) -> bool:
@@ -296,17 +338,28 @@ class DraftRounds:
         else:
             slots = gens = anchors = tokens = rows_in = n_out = seeds = top_ks = temps = \
                 top_ps = ()
+        if n:
+            # The five integer columns in one conversion; any value int64 cannot hold (or not
+            # an integer) leaves them to the per-column checks, which name it.
+            ints = np.asarray((slots, gens, anchors, tokens, n_out))
+            if ints.dtype == np.int64:
+                slots, gens, anchors, tokens, n_out = ints
         rb = self.row_bytes
         parts = [r for r in rows_in if r is not None]
         bad_rows = -1  # the first request whose rows are not uint8 [n, row_bytes]
         flat = None
         try:
             # Every part must be a uint8 [n, row_bytes] array: concatenate refuses other
-            # widths, ranks and (casting "no") dtypes, isinstance other objects.
-            if not all(isinstance(r, np.ndarray) for r in parts):
+            # widths, ranks and (casting "no") dtypes, isinstance other objects (the set of
+            # types is the cheap look, isinstance the one for subclasses).
+            if set(map(type, parts)) - {np.ndarray} and \
+                    not all(isinstance(r, np.ndarray) for r in parts):
                 raise TypeError("rows that are not arrays")
-            counts = np.fromiter((0 if r is None else r.shape[0] for r in rows_in), np.int64,
-                                 count=n)
+            if len(parts) == n:  # every request has rows: len is each one's row count
+                counts = np.fromiter(map(len, parts), np.int64, count=n)
+            else:
+                counts = np.fromiter((0 if r is None else r.shape[0] for r in rows_in),
+                                     np.int64, count=n)
             total = int(counts.sum())
             if len(parts) == 1 and parts[0].dtype == np.uint8 and parts[0].ndim == 2 and \
                     parts[0].shape[1] == rb:
@@ -366,7 +419,7 @@ class DraftRounds:
                 f"rows must be a uint8 array [n, {self.row_bytes}], got"
                 f" {getattr(rows, 'dtype', type(rows).__name__)} {getattr(rows, 'shape', '')}")
         counts = _column(0 if n_rows is None else n_rows, n, "n_rows", np.int64)
-        if counts.dtype == object or (n and counts.min() < 0):
+        if counts.dtype == object or (n and _bounds(counts)[0] < 0):
             i = int(np.flatnonzero(counts < 0)[0]) if counts.dtype != object else 0
             raise ValueError(f"n_rows[{i}] is {_py(counts[i])}: row counts are >= 0")
         have = 0 if rows is None else rows.shape[0]
@@ -412,14 +465,20 @@ class DraftRounds:
             temp = _column(sampling[2], n, "temperature", np.float64)
             top_p = _column(sampling[3], n, "top_p", np.float64)
         on_s = self.sampled and sampling is not None
-        if bad_rows < 0 and self._looks_fine(s, g, a, t, k, counts, sampling and (
-                seed, top_k, temp, top_p)):
+        usual = bad_rows < 0 and self._continues(s, g, a, counts)
+        same = usual and on_s and self._same_sampling(seed, top_k, temp, top_p)
+        if bad_rows < 0 and self._looks_fine(s, g, a, t, k, counts, None if same else (
+                sampling and (seed, top_k, temp, top_p)), usual):
+            if same:
+                assert self._usual is not None and self._usual.sampling is not None
+                seed = self._usual.sampling[0]
+            elif on_s:
+                seed = np.where(top_k != 0, seed, 0).astype(np.uint64)
             return _Round(
                 slots=s, generation=g, anchor_pos=a, anchor_token=t, n_out=k, n_rows=counts,
-                rows=rows, row_offsets=offsets,
-                seed=np.where(top_k != 0, seed, 0).astype(np.uint64) if on_s else None,
+                rows=rows, row_offsets=offsets, seed=seed if on_s else None,
                 top_k=top_k if on_s else None, temperature=temp if on_s else None,
-                top_p=top_p if on_s else None)
+                top_p=top_p if on_s else None, usual=usual, same_sampling=same)
         S, N, U32 = self.max_slots, self.num_spec, wire.U32_MASK
         in_range = (s >= 0) & (s < S)
         # Each check: (where it fails, its message for request i), in the order of the rules;
@@ -491,24 +550,54 @@ class DraftRounds:
             top_k=top_k if on_s else None, temperature=temp if on_s else None,
             top_p=top_p if on_s else None)
 
+    def _continues(self, s: Any, g: Any, a: Any, counts: Ints) -> bool:
+        """Whether the round continues the last one (``_Usual``): same slots in the same order,
+        same generations, every slot's new rows starting at its last anchor."""
+        u = self._usual
+        if u is None or len(s) != len(u.slots) or not self.fast_path:
+            return False
+        if s.dtype == object or g.dtype == object or a.dtype == object:
+            return False
+        if len(s) <= _FEW:
+            return bool(s.tolist() == u.slots.tolist() and g.tolist() == u.generation.tolist()
+                        and (a - counts).tolist() == u.anchor_pos.tolist())
+        return bool((s == u.slots).all() and (g == u.generation).all()
+                    and (a - counts == u.anchor_pos).all())
+
+    def _same_sampling(self, seed: Any, top_k: Any, temp: Any, top_p: Any) -> bool:
+        """Whether a usual round's sampling columns are the last round's (NaN never is)."""
+        last = self._usual.sampling if self._usual is not None else None
+        if last is None or any(x.dtype == object for x in (seed, top_k, temp, top_p)):
+            return False
+        # The seeds kept are zero where top_k is: compared only where top_k is not.
+        return bool((top_k == last[1]).all() and (temp == last[2]).all()
+                    and (top_p == last[3]).all()
+                    and ((seed == last[0]) | (top_k == 0)).all())
+
     def _looks_fine(self, s: Any, g: Any, a: Any, t: Any, k: Any, counts: Ints,
-                    sampling: tuple[Any, Any, Any, Any] | None) -> bool:
+                    sampling: tuple[Any, Any, Any, Any] | None, usual: bool = False) -> bool:
         """The rules of ``_round`` by a few reductions over whole columns: True when every
         request keeps them (the usual round); False sends the round through the request by
-        request checks, which name the first offender."""
+        request checks, which name the first offender. ``usual``: the round continues the
+        last (``_continues``), whose slots and generations passed, and whose anchors were
+        >= 0, so the new ones (no lower) are >= their row counts."""
         if not len(s):
             return True
         if any(x.dtype == object for x in (s, g, a, t, k)):
             return False
         S, U32 = self.max_slots, wire.U32_MASK
-        if s.min() < 0 or s.max() >= S or np.bincount(s, minlength=S).max() > 1:
-            return False
-        # A free slot's generation is _NONE (-1): below every generation >= 0.
-        if g.min() < 0 or (g < self._gen[s]).any():
-            return False
-        if a.min() < 0 or a.max() > U32 or t.min() < 0 or t.max() > U32:
-            return False
-        if (counts > a).any() or k.min() < 0 or k.max() > self.num_spec:
+        if not usual:
+            s_lo, s_hi = _bounds(s)
+            if s_lo < 0 or s_hi >= S or np.bincount(s, minlength=S).max() > 1:
+                return False
+            # A free slot's generation is _NONE (-1): below every generation >= 0.
+            if _bounds(g)[0] < 0 or (g < self._gen[s]).any():
+                return False
+            if _bounds(a)[0] < 0 or (counts > a).any():
+                return False
+        t_lo, t_hi = _bounds(t)
+        k_lo, k_hi = _bounds(k)
+        if _bounds(a)[1] > U32 or t_lo < 0 or t_hi > U32 or k_lo < 0 or k_hi > self.num_spec:
             return False
         if sampling is None:
             return True
@@ -542,28 +631,48 @@ class DraftRounds:
         self.rounds += 1
         client = self.client
         epoch = client.connection_epoch()
-        self._new_requests(rnd)
+        # Taken until this round ends well: any other way out leaves no usual round behind.
+        usual, self._usual = self._usual, None
+        n_rows = -1  # rows in the STEP
+        if usual is not None and rnd.usual and epoch == usual.epoch and \
+                _bounds(rnd.n_rows)[1] <= self.window:
+            n_rows = int(rnd.n_rows.sum())
+        if 0 <= n_rows <= self.row_budget:
+            # Every slot continues with exactly its new rows within the budget: the plan of
+            # ``_plan``'s first case, known without looking at the per-slot state (the last
+            # round left every window valid, sent every slot whole and reset their ages).
+            chosen, kind, k, end, written = self._all[:n], self._zeros[:n], rnd.n_rows, \
+                rnd.anchor_pos, False
+        else:
+            usual = None
+            self._new_requests(rnd)
         synced = self._synced_epoch
-        if epoch is None:  # target-only: the ring takes the rows, for the resync later
-            self._write_rows(rnd)
-            synced[rnd.slots] = _NO_EPOCH
-            return self._failed(n, "disabled" if client.disabled else "not_ready")
-        chosen, kind, k, end, written = self._plan(rnd, epoch)
+        if usual is None:
+            if epoch is None:  # target-only: the ring takes the rows, for the resync later
+                self._write_rows(rnd)
+                synced[rnd.slots] = _NO_EPOCH
+                return self._failed(n, "disabled" if client.disabled else "not_ready")
+            chosen, kind, k, end, written = self._plan(rnd, epoch)
+        assert epoch is not None  # (on the short way it is the last round's)
         m = len(chosen)
         if m + len(releases) == 0:  # everything deferred: nothing to send this round
             return self._failed(n, "deferred")
-        slots = rnd.slots[chosen]
-        n_rows = int(k.sum())
+        slots = rnd.slots if m == n else rnd.slots[chosen]
+        if usual is None:
+            n_rows = int(k.sum())
         # The usual round: every request continues with exactly its new rows, in order, so
         # the STEP's rows are the engine's array, and they reach the ring while the reply is
         # on its way (the ring write is the round's largest memory traffic).
         rows_in = rnd.rows
         direct = not written and rows_in is not None and rnd.row_offsets is None and \
-            rows_in.flags.c_contiguous and bool((k == rnd.n_rows).all())
+            rows_in.flags.c_contiguous and (k is rnd.n_rows or bool((k == rnd.n_rows).all()))
         if not written and not direct:
             self._write_rows(rnd)
         rows = self._stage(rnd, chosen, k, end, n_rows, direct)
-        entries = self._entries(rnd, chosen, kind, k, end, releases)
+        if usual is not None and not len(releases):
+            entries = self._entries_again(rnd, usual)
+        else:
+            entries = self._entries(rnd, chosen, kind, k, end, releases)
         self._step_id += 1
         later = _Later(self._write_rows, rnd) if direct else None
         # No rows (every slot only asks for drafts): the headers are the whole frame.
@@ -573,7 +682,7 @@ class DraftRounds:
         finally:
             if later is not None:
                 later.finish()  # when the STEP was never sent
-        resynced = int(np.count_nonzero(kind == _RESYNC))
+        resynced = 0 if usual is not None else int(np.count_nonzero(kind == _RESYNC))
         if resynced:
             client.stats.inc("slots_resynced", resynced)
         if not out.ok or out.reply is None or out.drafted is None:
@@ -587,8 +696,34 @@ class DraftRounds:
             return res
         self._step_ok()
         reply = out.reply
-        # What the worker now holds, per entry, and whether the slot must resync next time.
         status = reply.status[:m]
+        if usual is not None and not status.any():  # every status RS_OK (0)
+            # Every slot applied its rows: its window ends at the new anchor; generations and
+            # the epoch stay as the last round left them.
+            self._worker_end[slots] = end
+            usual.anchor_pos = rnd.anchor_pos.copy()
+            if not rnd.same_sampling:
+                usual.sampling = self._sampling_kept(rnd)
+            self._usual = usual
+        else:
+            self._applied(rnd, chosen, slots, end, status, reply, epoch, m == n and
+                          end is rnd.anchor_pos and len(entries) >= n, entries)
+        res = self._result(n, chosen, reply, out.drafted)
+        res.resynced = resynced
+        res.rows_sent = n_rows
+        res.rtt_us = out.rtt_us
+        client.stats.inc_many({"rounds_ok": 1,
+                               "round_us_total": (time.perf_counter() - t0) * 1e6})
+        return res
+
+    def _applied(self, rnd: _Round, chosen: Ints, slots: Ints, end: Ints,
+                 status: npt.NDArray[np.uint8], reply: wire.StepReply, epoch: int,
+                 whole: bool, entries: npt.NDArray[Any]) -> None:
+        """What the worker now holds, per entry, and whether the slot must resync next time;
+        ``whole``: every request went out whole, so with no resync owed the next round may
+        be a usual one."""
+        synced = self._synced_epoch
+        m = len(chosen)
         stale = status == wire.RS_STALE_GENERATION
         applied = ~stale
         at = slots[applied]
@@ -604,15 +739,20 @@ class DraftRounds:
             synced[slots[short]] = _NO_EPOCH
         if stale.any():
             synced[slots[stale]] = _NO_EPOCH
-            client.new_session("RS_STALE_GENERATION: the worker holds a newer generation"
-                               " than rank 0 sent")
-        res = self._result(n, chosen, reply, out.drafted)
-        res.resynced = resynced
-        res.rows_sent = n_rows
-        res.rtt_us = out.rtt_us
-        client.stats.inc_many({"rounds_ok": 1,
-                               "round_us_total": (time.perf_counter() - t0) * 1e6})
-        return res
+            self.client.new_session("RS_STALE_GENERATION: the worker holds a newer generation"
+                                    " than rank 0 sent")
+        elif whole and m and not short.any() and self.fast_path:
+            self._usual = _Usual(slots=rnd.slots.copy(), generation=rnd.generation.copy(),
+                                 anchor_pos=rnd.anchor_pos.copy(), epoch=epoch,
+                                 entries=entries[:m], sampling=self._sampling_kept(rnd))
+
+    @staticmethod
+    def _sampling_kept(rnd: _Round) -> tuple[Any, Any, Any, Any] | None:
+        """The round's sampling columns as ``_Usual.sampling`` keeps them (copies)."""
+        if rnd.seed is None or rnd.top_k is None or rnd.temperature is None or \
+                rnd.top_p is None:
+            return None
+        return (rnd.seed.copy(), rnd.top_k.copy(), rnd.temperature.copy(), rnd.top_p.copy())
 
     def _new_requests(self, rnd: _Round) -> None:
         """A new generation in a slot is a new request: its ring starts empty. A window that
@@ -704,15 +844,42 @@ class DraftRounds:
         e["n_out"][:m] = n_out
         e["flags"][:m] = np.where(kind == _RESYNC, wire.RF_RESET, 0) | \
             np.where(n_out != 0, wire.RF_NEED_DRAFT, 0)
-        if rnd.top_k is not None and rnd.seed is not None and rnd.temperature is not None \
-                and rnd.top_p is not None:
-            on = pick(rnd.top_k) != 0  # a greedy entry of a sampled session: fields zero
-            e["seed"][:m] = np.where(on, pick(rnd.seed), 0)
-            e["top_k"][:m] = pick(rnd.top_k)
-            e["temperature"][:m] = np.where(on, pick(rnd.temperature), 0.0)
-            e["top_p"][:m] = np.where(on, pick(rnd.top_p), 0.0)
+        self._sampling(e, rnd, m, pick)
         e[m:] = releases
         return e
+
+    def _entries_again(self, rnd: _Round, usual: _Usual) -> npt.NDArray[Any]:
+        """The usual round's entries: the last round's array, whose slots and generations are
+        this round's, with the rest written again (every entry continues: no RF_RESET)."""
+        e = usual.entries
+        e["anchor_pos"] = rnd.anchor_pos
+        e["anchor_token"] = rnd.anchor_token
+        e["n_rows"] = rnd.n_rows
+        e["n_out"] = rnd.n_out
+        e["flags"] = np.where(rnd.n_out != 0, wire.RF_NEED_DRAFT, 0)
+        if rnd.top_k is not None:
+            if not rnd.same_sampling:
+                self._sampling(e, rnd, len(e))
+        elif usual.sampling is not None:  # no sampling this round: greedy entries
+            for name in ("seed", "top_k", "temperature", "top_p"):
+                e[name] = 0
+        return e
+
+    def _sampling(self, e: npt.NDArray[Any], rnd: _Round, m: int,
+                  pick: Any = lambda x: x) -> None:
+        """The entries' sampling fields (a sampled session's)."""
+        if rnd.top_k is not None and rnd.seed is not None and rnd.temperature is not None \
+                and rnd.top_p is not None:
+            top_k = pick(rnd.top_k)
+            e["seed"][:m] = pick(rnd.seed)  # zero where top_k is (``_round``)
+            e["top_k"][:m] = top_k
+            if top_k.all():
+                e["temperature"][:m] = pick(rnd.temperature)
+                e["top_p"][:m] = pick(rnd.top_p)
+            else:  # a greedy entry of a sampled session: fields zero
+                on = top_k != 0
+                e["temperature"][:m] = np.where(on, pick(rnd.temperature), 0.0)
+                e["top_p"][:m] = np.where(on, pick(rnd.top_p), 0.0)
 
     def _releases(self, requested: Ints, release: Any) -> npt.NDArray[Any]:
         """RF_RELEASE entries for finished slots (not requested this round), forgetting them."""
@@ -742,6 +909,7 @@ class DraftRounds:
         return out
 
     def _forget(self, slots: Ints) -> None:
+        self._usual = None
         self._gen[slots] = _NONE
         self._worker_gen[slots] = _NONE
         self._synced_epoch[slots] = _NO_EPOCH
