@@ -54,6 +54,32 @@ def make_drafter(config: DrafterConfig = TINY, seed: int = 7,
                         device="cpu", dtype=torch.float32)
 
 
+def bf16_taps(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
+    """Random taps that are exact in bf16 (what the wire carries), as float32."""
+    vals = rng.standard_normal((n, width)).astype(np.float32) * 2.0
+    return torch.from_numpy(vals).bfloat16().float().numpy()
+
+
+def check_bf16_many_lanes(fp: Drafter, bf: Drafter) -> None:
+    """A bf16 drafter against the fp32 reference of the same checkpoint on 16 lanes of a
+    16-row ring with random contexts up to 3 windows long: the first draft agrees on most
+    lanes, confidences within bf16's tolerance where it does, margins finite and >= 0."""
+    rng = np.random.default_rng(9)
+    n_lanes, window = 16, 16
+    counts = rng.integers(1, 3 * window, n_lanes)
+    rows_l = [encode_bf16_rows(bf16_taps(rng, int(n), fp.config.tap_width)) for n in counts]
+    pool = bf.new_pool(n_lanes, window)
+    lanes = pool.allocate(n_lanes)
+    pool.apply(lanes, counts, counts, np.ones(n_lanes, dtype=bool), np.concatenate(rows_l))
+    tokens = rng.integers(0, fp.vocab_size, n_lanes)
+    got = bf.draft(pool, lanes, counts, tokens)
+    ref = fp.reference_draft([r[-window:] for r in rows_l], counts, tokens)
+    agree = got.draft_ids[:, 0] == ref.draft_ids[:, 0]
+    assert agree.mean() >= 0.75
+    np.testing.assert_allclose(got.confidence[agree, 0], ref.confidence[agree, 0], atol=0.05)
+    assert np.isfinite(got.margin).all() and (got.margin >= 0).all()
+
+
 def make_rows(rng: np.random.Generator, n: int, config: DrafterConfig = TINY) -> np.ndarray:
     """n random tap rows as wire bytes, uint8 [n, row_bytes]."""
     values = rng.standard_normal((n, config.tap_width)).astype(np.float32) * 2.0

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from drafter_support import bf16_taps, check_bf16_many_lanes
 from safetensors.torch import load_file, save_file
 
 from dspark_client import hello_from_checkpoint
@@ -144,12 +145,6 @@ def plain_draft(t: dict[str, torch.Tensor], cfg: Gemma4Config, taps: np.ndarray,
         out.append(tok)
         prev = tok
     return out, np.array(confs, np.float32), np.array(margins, np.float32)
-
-
-def bf16_taps(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
-    """Random taps that are exact in bf16 (what the wire carries), as float32."""
-    vals = rng.standard_normal((n, width)).astype(np.float32) * 2.0
-    return torch.from_numpy(vals).bfloat16().float().numpy()
 
 
 # -- DeepSpec's own drafts --------------------------------------------------------------------
@@ -334,20 +329,7 @@ def test_bf16_on_the_cpu_close_to_fp32(cases: list[dict[str, Any]]) -> None:
         assert got.draft_ids[0, 0] == c["ids"][0]
         assert abs(float(got.confidence[0, 0]) - c["confidence"][0]) < 0.05
         assert abs(float(got.margin[0, 0]) - c["margin"][0]) < 0.25
-    rng = np.random.default_rng(9)
-    n_lanes, window = 16, 16
-    counts = rng.integers(1, 3 * window, n_lanes)
-    rows_l = [encode_bf16_rows(bf16_taps(rng, int(n), fp.config.tap_width)) for n in counts]
-    pool = bf.new_pool(n_lanes, window)
-    lanes = pool.allocate(n_lanes)
-    pool.apply(lanes, counts, counts, np.ones(n_lanes, dtype=bool), np.concatenate(rows_l))
-    tokens = rng.integers(0, fp.vocab_size, n_lanes)
-    got = bf.draft(pool, lanes, counts, tokens)
-    ref = fp.reference_draft([r[-window:] for r in rows_l], counts, tokens)
-    agree = got.draft_ids[:, 0] == ref.draft_ids[:, 0]
-    assert agree.mean() >= 0.75
-    np.testing.assert_allclose(got.confidence[agree, 0], ref.confidence[agree, 0], atol=0.05)
-    assert np.isfinite(got.margin).all() and (got.margin >= 0).all()
+    check_bf16_many_lanes(fp, bf)
 
 
 # -- config.json --------------------------------------------------------------------------------

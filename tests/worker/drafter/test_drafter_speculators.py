@@ -23,7 +23,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from drafter_support import CountingReplay, assert_same, params, refuse_host_reads
+from drafter_support import (
+    CountingReplay,
+    assert_same,
+    bf16_taps,
+    check_bf16_many_lanes,
+    params,
+    refuse_host_reads,
+)
 from safetensors.torch import load_file, save_file
 
 from dspark_client import hello_from_checkpoint, tap_layers
@@ -90,11 +97,6 @@ def weights(drafter: Drafter) -> dict[str, torch.Tensor]:
 
 def wire_taps(rows: np.ndarray) -> np.ndarray:
     return torch.from_numpy(rows.copy()).view(torch.bfloat16).float().numpy()
-
-
-def bf16_taps(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
-    vals = rng.standard_normal((n, width)).astype(np.float32) * 2.0
-    return torch.from_numpy(vals).bfloat16().float().numpy()
 
 
 # -- an independent plain implementation (SPECULATORS.md section 5, float64) ------------------
@@ -444,20 +446,7 @@ def test_bf16_on_the_cpu_close_to_fp32(drafters: dict[str, Drafter]) -> None:
         assert bf.dtype == torch.bfloat16 and bf.drafter_identity == fp.drafter_identity
         if name == "vanilla_anchor_reduced":  # the index tensor keeps its dtype
             assert bf.model.d2t.dtype == torch.int64
-        rng = np.random.default_rng(9)
-        n_lanes, window = 16, 16
-        counts = rng.integers(1, 3 * window, n_lanes)
-        rows_l = [encode_bf16_rows(bf16_taps(rng, int(n), fp.config.tap_width)) for n in counts]
-        pool = bf.new_pool(n_lanes, window)
-        lanes = pool.allocate(n_lanes)
-        pool.apply(lanes, counts, counts, np.ones(n_lanes, dtype=bool), np.concatenate(rows_l))
-        tokens = rng.integers(0, fp.vocab_size, n_lanes)
-        got = bf.draft(pool, lanes, counts, tokens)
-        ref = fp.reference_draft([r[-window:] for r in rows_l], counts, tokens)
-        agree = got.draft_ids[:, 0] == ref.draft_ids[:, 0]
-        assert agree.mean() >= 0.75
-        np.testing.assert_allclose(got.confidence[agree, 0], ref.confidence[agree, 0], atol=0.05)
-        assert np.isfinite(got.margin).all() and (got.margin >= 0).all()
+        check_bf16_many_lanes(fp, bf)
 
 
 # -- RoPE scaling ---------------------------------------------------------------------------------
