@@ -137,11 +137,13 @@ def make_entries(n: int, sampled: bool, rows_per_entry: int) -> list[wire.ReqEnt
     return out
 
 
-def make_reply(step_id: int, entries: list[wire.ReqEntry], sampled: bool, session: int) -> bytes:
-    n = len(entries)
+def ok_reply(step_id: int, n: int, sampled: bool,
+             rng: np.random.Generator) -> wire.StepReply:
+    """A reply whose n entries are OK with every position drafted: W rows, generation 3,
+    random confidences, margin 1; greedy ids random; sampled entries marked, their supports,
+    q and draws left to the caller."""
     flags = wire.RPF_MARGIN | (wire.RPF_SAMPLED if sampled else 0)
     r = wire.StepReply.empty(step_id, n, N, flags)
-    rng = np.random.default_rng(0)
     r.status[:] = wire.RS_OK
     r.window_rows[:] = W
     r.generation[:] = 3
@@ -149,9 +151,18 @@ def make_reply(step_id: int, entries: list[wire.ReqEntry], sampled: bool, sessio
     assert r.margin is not None
     r.margin[:] = 1.0
     if sampled:
-        assert r.sampled_mask is not None and r.support_ids is not None
-        assert r.proposal_q is not None
+        assert r.sampled_mask is not None
         r.sampled_mask[:] = 1
+    else:
+        r.draft_ids[:] = rng.integers(0, VOCAB, (n, N), dtype=np.int32)
+    return r
+
+
+def make_reply(step_id: int, entries: list[wire.ReqEntry], sampled: bool, session: int) -> bytes:
+    rng = np.random.default_rng(0)
+    r = ok_reply(step_id, len(entries), sampled, rng)
+    if sampled:
+        assert r.support_ids is not None and r.proposal_q is not None
         for i, e in enumerate(entries):
             u = psampled.draw_u(e.seed, e.generation, e.anchor_pos + 1 + np.arange(N))
             for j in range(N):
@@ -159,8 +170,6 @@ def make_reply(step_id: int, entries: list[wire.ReqEntry], sampled: bool, sessio
                                           e.top_p)
                 r.support_ids[i, j], r.proposal_q[i, j] = ids, q
                 r.draft_ids[i, j] = int(psampled.draw(ids, q, u[j]))
-    else:
-        r.draft_ids[:] = rng.integers(0, VOCAB, (n, N), dtype=np.int32)
     return wire.frame(wire.OP_STEP, 0, session, r.pack())
 
 
@@ -385,26 +394,15 @@ class RoundReplies:
     calls."""
 
     def __init__(self, n: int, sampled: bool, seeds: np.ndarray) -> None:
-        flags = wire.RPF_MARGIN | (wire.RPF_SAMPLED if sampled else 0)
-        self.r = r = wire.StepReply.empty(1, n, N, flags)
         rng = np.random.default_rng(0)
-        r.status[:] = wire.RS_OK
-        r.window_rows[:] = W
-        r.generation[:] = 3
-        r.confidence[:] = rng.uniform(0, 1, (n, N)).astype(np.float32)
-        assert r.margin is not None
-        r.margin[:] = 1.0
+        self.r = r = ok_reply(1, n, sampled, rng)
         self.sampled, self.seeds = sampled, seeds
         if sampled:
-            assert r.sampled_mask is not None and r.support_ids is not None
-            assert r.proposal_q is not None
-            r.sampled_mask[:] = 1
+            assert r.support_ids is not None and r.proposal_q is not None
             logits = rng.normal(size=(N, 256)) * 2  # one proposal per position, every slot
             for j in range(N):
                 r.support_ids[:, j], r.proposal_q[:, j] = psampled.build_q(
                     logits[j], TOP_K, 0.8, 0.95)
-        else:
-            r.draft_ids[:] = rng.integers(0, VOCAB, (n, N), dtype=np.int32)
 
     def frame(self, step_id: int, anchor: np.ndarray, session: int) -> bytes:
         r = self.r
