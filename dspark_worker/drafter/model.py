@@ -54,16 +54,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: DrafterConfig) -> None:
+    """q/k/v/o projections with per-head q and k norms; ``bias``: the projections have biases
+    (no released DeepSpec drafter does; speculators' ``attention_bias``)."""
+
+    def __init__(self, c: DrafterConfig, bias: bool = False) -> None:
         super().__init__()
         d, hd = c.hidden_size, c.head_dim
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = c.num_key_value_heads
         self.head_dim = hd
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=bias)
         self.q_norm = RMSNorm(hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(hd, c.rms_norm_eps)
 
@@ -85,10 +88,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: DrafterConfig) -> None:
+    def __init__(self, c: DrafterConfig, bias: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, bias)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 

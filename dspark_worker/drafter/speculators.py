@@ -40,7 +40,6 @@ from torch import Tensor, nn
 
 from .config import ConfigReader, DrafterConfig, DrafterConfigError
 from .model import (
-    MLP,
     ConfidenceHead,
     ContextSource,
     DecoderLayer,
@@ -585,27 +584,6 @@ def yarn_inv_freq(c: SpeculatorsConfig, device: torch.device) -> tuple[Tensor, f
 # -- the network ------------------------------------------------------------------------------
 
 
-class SpeculatorsAttention(nn.Module):
-    def __init__(self, c: SpeculatorsConfig) -> None:
-        super().__init__()
-        d, hd, bias = c.hidden_size, c.head_dim, c.attention_bias
-        self.q_proj = nn.Linear(d, c.num_attention_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d, c.num_key_value_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, c.num_key_value_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * hd, d, bias=bias)
-        self.q_norm = RMSNorm(hd, c.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, c.rms_norm_eps)
-
-
-class SpeculatorsDecoderLayer(nn.Module):
-    def __init__(self, c: SpeculatorsConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = SpeculatorsAttention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
-
-
 class SpeculatorsDrafterModel(DrafterModel):
     """The speculators family's weights and forward pieces (see the module docstring). Ingest
     (``project_context_kv``, biases included) is the Qwen3 family's."""
@@ -615,14 +593,15 @@ class SpeculatorsDrafterModel(DrafterModel):
     t2d: Tensor  # [V] bool (reduced vocabulary only)
 
     def __init__(self, config: DrafterConfig) -> None:
-        # The layers differ from Qwen3's (biases), so DrafterModel's constructor is not run.
+        # Biased layers, a draft-vocabulary head and the d2t map: DrafterModel's constructor
+        # would build other shapes, so it is not run.
         nn.Module.__init__(self)
         c = _speculators(config)
         self.config = c
         self.embed_tokens = _embedding(c.vocab_size, c.hidden_size)
         self.fc = nn.Linear(c.tap_width, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(SpeculatorsDecoderLayer(c)
+        self.layers = nn.ModuleList(DecoderLayer(c, bias=c.attention_bias)
                                     for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -701,6 +680,3 @@ class SpeculatorsDrafterModel(DrafterModel):
         hf: Tensor = self.norm(h)  # [B, N, d]
         return hf
 
-    @property
-    def decoder_layers(self) -> list[DecoderLayer]:
-        return [cast(DecoderLayer, layer) for layer in self.layers]
