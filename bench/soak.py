@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -266,7 +267,12 @@ def fuzz_storm(host: str, port: int, hello_body: bytes, total: int, threads: int
         counter[seed] = sent
 
     per = -(-total // threads)
-    ts = [threading.Thread(target=run, args=(i, per), daemon=True) for i in range(threads)]
+    run_all(run, [(i, per) for i in range(threads)])
+
+
+def run_all(fn: Callable[..., None], args: list[tuple[Any, ...]]) -> None:
+    """``fn(*a)`` for every ``a`` of ``args``, each on a thread of its own, until all return."""
+    ts = [threading.Thread(target=fn, args=a, daemon=True) for a in args]
     for t in ts:
         t.start()
     for t in ts:
@@ -304,11 +310,7 @@ def pipeline_flood(host: str, port: int, connections: int, stop: threading.Event
             except OSError:
                 time.sleep(0.05)
 
-    ts = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(connections)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    run_all(run, [(k,) for k in range(connections)])
 
 
 def keepalive_flood(host: str, port: int, connections: int, stop: threading.Event,
