@@ -108,11 +108,18 @@ class StubTransport:
         pass
 
 
+def n_taps() -> int:
+    """Taps of the stub's drafter: 3 for the default 768-byte rows (3 x 128 x bf16), 5 for
+    row sizes that 6 does not divide (25,600: Qwen3-4B's 5 x 2560 x bf16)."""
+    return 3 if ROW_BYTES % 6 == 0 else 5
+
+
 def hello(max_slots: int, sampled: bool) -> wire.Hello:
     return wire.Hello(sample_mode=wire.SAMPLE_TOP32 if sampled else wire.SAMPLE_GREEDY,
                       window=W, num_spec=N, max_slots=max_slots,
                       max_rows_per_step=(W + 8) * max_slots,
-                      row_bytes=ROW_BYTES, vocab_size=VOCAB, n_taps=3, hidden=ROW_BYTES // 6,
+                      row_bytes=ROW_BYTES, vocab_size=VOCAB, n_taps=n_taps(),
+                      hidden=ROW_BYTES // (2 * n_taps()),
                       drafter_identity=bytes(32), markov_identity=bytes(32),
                       client_name="bench")
 
@@ -121,8 +128,8 @@ def hello_reply(max_slots: int) -> bytes:
     return wire.HelloReply(capabilities=7, window=W, num_spec=N, max_slots=max_slots,
                            max_rows_per_step=(W + 8) * max_slots, row_bytes=ROW_BYTES,
                            vocab_size=VOCAB, drafter_identity=bytes(32),
-                           markov_identity=bytes(32), worker_name="stub", n_taps=3,
-                           hidden=ROW_BYTES // 6).pack()
+                           markov_identity=bytes(32), worker_name="stub", n_taps=n_taps(),
+                           hidden=ROW_BYTES // (2 * n_taps())).pack()
 
 
 def make_entries(n: int, sampled: bool, rows_per_entry: int) -> list[wire.ReqEntry]:
@@ -216,8 +223,12 @@ def takes_arrays() -> bool:
     return True
 
 
-def bench_step(n: int, sampled: bool, seconds: float, rtt_us: float = 0.0,
-               as_array: bool = False) -> dict[str, Any]:
+def step_case(n: int, sampled: bool, as_array: bool = False) -> tuple[
+        StubTransport, RemoteDraftClient, Callable[[], Callable[[], Any]], Any, bytearray]:
+    """``step()`` alone: n entries of one row each, every entry asking for all N positions
+    (as objects, or as an ENTRY_DTYPE array with ``as_array``), the same STEP every call.
+    Returns the stub, the client, ``prepare`` (which returns the call to time), the entries
+    and the request buffer."""
     stub, client = stub_client(n, sampled)
     objects = make_entries(n, sampled, rows_per_entry=1)
     stub.step_reply = make_reply(1, objects, sampled, client.session)
@@ -226,17 +237,23 @@ def bench_step(n: int, sampled: bool, seconds: float, rtt_us: float = 0.0,
     buf = bytearray(1 << 20)
     out = client.step(buf, entries, n, 1, rows=rows)
     assert out.ok, (out.reason, client.stats.get("last_bad_reply"))
-    res = timeit(lambda: client.step(buf, entries, n, 1, rows=rows), seconds)
-    critical = []  # each call less the work it ran during the round trip
-    for _ in range(int(res["iters"])):
-        waited = stub.waited_us
-        t0 = time.perf_counter_ns()
-        client.step(buf, entries, n, 1, rows=rows)
-        critical.append((time.perf_counter_ns() - t0) / 1000.0 - (stub.waited_us - waited))
+
+    def call() -> Any:
+        return client.step(buf, entries, n, 1, rows=rows)
+
+    return stub, client, lambda: call, entries, buf
+
+
+def bench_step(n: int, sampled: bool, seconds: float, rtt_us: float = 0.0,
+               as_array: bool = False) -> dict[str, Any]:
+    stub, client, prepare, entries, buf = step_case(n, sampled, as_array)
+    call = prepare()
+    res = timeit(call, seconds)
+    critical = [timed_call(stub, call, client)[1] for _ in range(int(res["iters"]))]
     res["critical_us"] = statistics.median(critical)
     if rtt_us:  # what step() adds to a round trip of rtt_us: its time less the round trip
         stub.rtt_us = rtt_us
-        added = timeit(lambda: client.step(buf, entries, n, 1, rows=rows), seconds)
+        added = timeit(call, seconds)
         stub.rtt_us = 0.0
         res["added_us"] = added["median_us"] - rtt_us
         res["added_p90_us"] = added["p90_us"] - rtt_us
@@ -414,14 +431,13 @@ class RoundReplies:
         return wire.frame(wire.OP_STEP, 0, session, r.pack())
 
 
-def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
-                 form: str = "batch", rtt_us: float = 0.0) -> dict[str, Any]:
+def rounds_case(n: int, sampled: bool, form: str = "batch", accepted: int = 3
+                ) -> tuple[StubTransport, RemoteDraftClient, Callable[[], Callable[[], Any]]]:
     """The round an engine makes every step: n slots continuing, ``accepted + 1`` new rows
     each, every slot asking for all N positions. ``form``: "batch" (``run_batch``, the rows
     as one array) or "list" (``run`` with one ``SlotRequest`` each, built before the call;
-    this one runs at older revisions too). The time is the call's: ring write, decisions,
-    entries, ``step()`` against the stub. ``rtt_us``: the stub answers that long after the
-    send, and ``added_us`` is the median less it (what the round adds to a round trip)."""
+    this one runs at older revisions too). Returns the stub, the client and ``prepare``,
+    which sets up the next round (its reply, its requests) and returns the call to time."""
     stub, client = stub_client(n, sampled)
     rounds = DraftRounds(client)
     k = accepted + 1
@@ -440,7 +456,6 @@ def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
                                   **(dict(seed=1000 + i, top_k=TOP_K, temperature=0.8,
                                           top_p=0.95) if sampled else {})) for i in range(n)])
     assert res.ok, (res.reason, client.stats.get("last_bad_reply"))
-    stub.rtt_us = rtt_us
     new_rows = np.ascontiguousarray(np.concatenate([pool[:k]] * n))
     counts = np.full(n, k, np.int64)
 
@@ -457,24 +472,42 @@ def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
                                if sampled else {})) for i in range(n)]
         return lambda: rounds.run(reqs)
 
+    return stub, client, prepare
+
+
+def timed_call(stub: StubTransport, call: Callable[[], Any], client: RemoteDraftClient
+               ) -> tuple[float, float]:
+    """One call, timed: its whole time and its critical time (the whole less the work it
+    ran during the round trip), µs."""
+    waited = stub.waited_us
+    t0 = time.perf_counter_ns()
+    out = call()
+    dt = (time.perf_counter_ns() - t0) / 1000.0
+    if not out.ok:
+        raise RuntimeError(f"call failed: {out.reason} {client.stats.get('last_bad_reply')}")
+    return dt, dt - (stub.waited_us - waited)
+
+
+def bench_rounds(n: int, sampled: bool, seconds: float, accepted: int = 3,
+                 form: str = "batch", rtt_us: float = 0.0) -> dict[str, Any]:
+    """``rounds_case``'s round, timed for ``seconds``. The time is the call's: ring write,
+    decisions, entries, ``step()`` against the stub. ``rtt_us``: the stub answers that long
+    after the send, and ``added_us`` is the median less it (what the round adds to a round
+    trip)."""
+    stub, client, prepare = rounds_case(n, sampled, form, accepted)
+    stub.rtt_us = rtt_us
     times: list[float] = []
     critical: list[float] = []  # the same less the work run during the round trip
     deadline = time.perf_counter() + seconds
     while len(times) < 60 or time.perf_counter() < deadline:
-        call = prepare()
-        waited = stub.waited_us
-        t0 = time.perf_counter_ns()
-        out = call()
-        dt = (time.perf_counter_ns() - t0) / 1000.0
-        if not out.ok:
-            raise RuntimeError(f"round failed: {out.reason} {client.stats.get('last_bad_reply')}")
-        times.append(dt)
-        critical.append(dt - (stub.waited_us - waited))
+        whole, crit = timed_call(stub, prepare(), client)
+        times.append(whole)
+        critical.append(crit)
     times = sorted(times[10:])  # the first rounds warm the caches
     critical = sorted(critical[10:])
     client.close()
     out = {"what": f"rounds.{'run_batch' if form == 'batch' else 'run'}", "n": n, "N": N,
-           "sampled": sampled, "rows_per_slot": k, "row_bytes": ROW_BYTES,
+           "sampled": sampled, "rows_per_slot": accepted + 1, "row_bytes": ROW_BYTES,
            "median_us": statistics.median(times), "p90_us": times[int(0.9 * len(times))],
            "min_us": times[0], "iters": float(len(times))}
     if rtt_us:
@@ -522,8 +555,53 @@ def repeat_rounds(n: int, repeat: int) -> None:
                   c, base_c, strict=True)))
 
 
+def paired_rounds(n: int, iters: int, accepted: int = 3, blocks: int = 5) -> None:
+    """``--paired``: step() and the rounds at n slots, one call of each in turn, ``iters``
+    times: every case meets the same moments of the machine's noise, so the ratios of the
+    medians hold steadier than those of separate runs. Prints each case's median whole and
+    critical time and its ratio to step()'s, and the ratio in each of ``blocks`` equal
+    spans of the iterations (its spread). Each round continues every slot with
+    ``accepted + 1`` new rows."""
+    makers: dict[tuple[str, bool], Callable[[], Any]] = {}
+    for sampled in (False, True):
+        makers[("step", sampled)] = lambda s=sampled: step_case(n, s)[:3]
+        for form in ("batch", "list"):
+            makers[(form, sampled)] = lambda f=form, s=sampled: rounds_case(n, s, f,
+                                                                            accepted)
+    cases = {key: make() for key, make in makers.items()}
+    whole: dict[tuple[str, bool], list[float]] = {key: [] for key in cases}
+    crit: dict[tuple[str, bool], list[float]] = {key: [] for key in cases}
+    for i in range(iters + 10):
+        for key, (stub, client, prepare) in cases.items():
+            times = timed_call(stub, prepare(), client)
+            if i >= 10:  # the first calls warm the caches
+                whole[key].append(times[0])
+                crit[key].append(times[1])
+    for _, client, _ in cases.values():
+        client.close()
+    names = {"step": "step", "batch": "run_batch", "list": "run"}
+    span = max(1, iters // blocks)
+    print(f"{n} slots, {accepted + 1} new rows of {ROW_BYTES} bytes per slot per round,"
+          f" {iters} calls of each")
+    for (what, sampled), w in whole.items():
+        c = crit[(what, sampled)]
+        line = (f"{names[what]:<9} {'sampled' if sampled else 'greedy':<7} n {n}: whole"
+                f" {statistics.median(w):7.1f} critical {statistics.median(c):7.1f} us")
+        if what != "step":
+            bw, bc = whole[("step", sampled)], crit[("step", sampled)]
+
+            def ratio(x: list[float], b: list[float], lo: int = 0, hi: int = iters) -> float:
+                return statistics.median(x[lo:hi]) / statistics.median(b[lo:hi])
+
+            line += (f"  x step(): whole {ratio(w, bw):.2f} critical {ratio(c, bc):.2f}"
+                     "  (critical by span: " + " ".join(
+                         f"{ratio(c, bc, j, j + span):.2f}" for j in range(0, iters, span))
+                     + ")")
+        print(line)
+
+
 def main(argv: list[str] | None = None) -> int:
-    global TOP_K
+    global TOP_K, ROW_BYTES
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="short runs (smoke test)")
@@ -545,13 +623,23 @@ def main(argv: list[str] | None = None) -> int:
                         " prints the smallest and the median of them (a steadier figure on a"
                         " shared machine) and each round's ratio to step(), whole and less"
                         " the work it runs during the round trip")
+    p.add_argument("--paired", type=int, default=0, metavar="ITERS",
+                   help="instead: step() and the rounds (run_batch, run) at 256 slots (--slots"
+                        " for others), greedy and sampled, one call of each in turn, ITERS"
+                        " times; each round's median whole and critical time against"
+                        " step()'s")
+    p.add_argument("--row-bytes", type=int, default=ROW_BYTES,
+                   help=f"bytes per tap row (default {ROW_BYTES}; 25600 is a Qwen3-4B"
+                        " target's)")
+    p.add_argument("--new-rows", type=int, default=4, metavar="K",
+                   help="--paired: new rows per slot per round (default 4)")
     p.add_argument("--slots", type=str, default="256", metavar="N,N",
-                   help="the slots --repeat runs at (default 256)")
+                   help="the slots --repeat and --paired run at (default 256)")
     p.add_argument("--acceptance", type=int, default=0, metavar="ROUNDS",
                    help="instead: the acceptance hook step() runs once a reply is in, on its"
                         " dearest path, at 64 and 256 entries, ROUNDS short medians each")
     args = p.parse_args(argv)
-    TOP_K = args.top_k
+    TOP_K, ROW_BYTES = args.top_k, args.row_bytes
     if args.acceptance:
         for n in (64, 256):
             meds = [bench_acceptance(n, 0.3)["median_us"] for _ in range(args.acceptance)]
@@ -561,6 +649,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat:
         for n in (int(x) for x in args.slots.split(",")):
             repeat_rounds(n, args.repeat)
+        return 0
+    if args.paired:
+        for n in (int(x) for x in args.slots.split(",")):
+            paired_rounds(n, args.paired, args.new_rows - 1)
         return 0
     if args.after_sleep:
         for ms in (float(x) for x in args.after_sleep.split(",")):

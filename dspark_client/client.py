@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 import os
 import random
 import secrets
@@ -213,6 +214,16 @@ def _connect_loop(ref: weakref.ReferenceType[RemoteDraftClient], shared: _Shared
         if wait is None:
             return
         shared.wake.wait(None if math.isinf(wait) else wait)
+
+
+_NBYTES: Final = operator.attrgetter("nbytes")
+
+
+def _nbytes(rows: Any) -> int:
+    """The bytes of ``step()``'s rows: one buffer, or a list of arrays."""
+    if isinstance(rows, list):
+        return sum(map(_NBYTES, rows))
+    return rows.nbytes if hasattr(rows, "nbytes") else len(rows)
 
 
 class RemoteDraftClient:
@@ -912,9 +923,10 @@ class RemoteDraftClient:
         Without ``rows``: ``buf`` is writable and its rows already sit at
         ``wire.APP_HEADER_SIZE + wire.rows_offset_for(len(entries))``; the headers are written
         in front of them and the frame goes out as one buffer. With ``rows`` (``n_rows x
-        row_bytes`` bytes, C-contiguous, e.g. a numpy view of a staging buffer): ``buf`` takes
-        only the headers and entries, and the frame goes out as [headers, rows] with
-        scatter-gather, so the rows are neither copied nor written to.
+        row_bytes`` bytes, C-contiguous, e.g. a numpy view of a staging buffer, or a list of
+        such arrays whose bytes, back to back, are the rows): ``buf`` takes only the headers
+        and entries, and the frame goes out as [headers, rows...] with scatter-gather, so the
+        rows are neither copied nor written to.
 
         ``epoch``: the connection epoch the entries were built for; when the connection is
         newer the STEP is not sent (reason "reconnected": its slots were never resynced).
@@ -957,11 +969,12 @@ class RemoteDraftClient:
                                  f" {wire.APP_HEADER_SIZE + body_len}-byte STEP")
             parts = (memoryview(buf)[:wire.APP_HEADER_SIZE + body_len],)
         else:
-            nbytes = rows.nbytes if hasattr(rows, "nbytes") else len(rows)
+            nbytes = _nbytes(rows)
             if nbytes != n_rows * row_bytes:
                 raise ValueError(f"rows hold {nbytes} bytes, {n_rows} rows of {row_bytes}"
                                  f" need {n_rows * row_bytes}")
-            parts = (memoryview(buf)[:wire.APP_HEADER_SIZE + ro], rows)
+            head = memoryview(buf)[:wire.APP_HEADER_SIZE + ro]
+            parts = (head, *rows) if isinstance(rows, list) else (head, rows)
         # The entries as sent, read back through the protocol's dtype: echo and draw checks
         # use these columns without a Python loop over the entries.
         sent = np.frombuffer(buf, dtype=ENTRY_DTYPE, count=n, offset=_ENTRIES_AT)
@@ -1031,14 +1044,17 @@ class RemoteDraftClient:
         region = self._shm
         if region is None or rows is None or conn is not self._shm_conn:
             return None
-        have = rows.nbytes if hasattr(rows, "nbytes") else len(rows)
+        have = _nbytes(rows)
         if have != nbytes:
             raise ValueError(f"rows hold {have} bytes, the STEP needs {nbytes}")
-        at = region.offset_of(rows)
+        at = None if isinstance(rows, list) else region.offset_of(rows)
         if at is None or at % ROWS_ALIGN:
-            src = (rows.reshape(-1).view(np.uint8) if isinstance(rows, np.ndarray)
-                   else np.frombuffer(memoryview(rows).cast("B"), np.uint8))
-            region.array[:nbytes] = src
+            at = 0
+            for part in rows if isinstance(rows, list) else (rows,):
+                src = (part.reshape(-1).view(np.uint8) if isinstance(part, np.ndarray)
+                       else np.frombuffer(memoryview(part).cast("B"), np.uint8))
+                region.array[at:at + len(src)] = src
+                at += len(src)
             self.stats.inc("shm_rows_copied")
             at = 0
         return at

@@ -95,6 +95,7 @@ _RESYNC: Final = 1  # RF_RESET with the ring's newest rows (or its oldest part, 
 _NO_ENTRIES: Final = np.zeros(0, wire.ENTRY_DTYPE)
 # Generations are kept as int64 (the wire carries the low 32 bits, 7.1).
 _MAX_GENERATION: Final = (1 << 63) - 1
+_U8: Final = np.dtype(np.uint8)
 
 
 def fair_bound_rounds(n_slots: int, budget: int, window: int) -> int:
@@ -169,6 +170,9 @@ class _Round(msgspec.Struct, gc=False):
     # order, the same generations, the rows starting where the last anchors were.
     usual: bool = False
     same_sampling: bool = False  # the sampling columns are the last round's (``_Usual``)
+    # ``run``'s requests' own row arrays, in request order, when they go out as they are
+    # (``rows`` is then None until ``_write_rows`` joins them for the ring).
+    parts: list[npt.NDArray[np.uint8]] | None = None
 
 
 class _Usual(msgspec.Struct, gc=False):
@@ -345,9 +349,17 @@ class DraftRounds:
             if ints.dtype == np.int64:
                 slots, gens, anchors, tokens, n_out = ints
         rb = self.row_bytes
-        parts = [r for r in rows_in if r is not None]
         bad_rows = -1  # the first request whose rows are not uint8 [n, row_bytes]
         flat = None
+        # Off a shared-memory region the STEP can send the requests' arrays as they are
+        # (scatter-gather): no copy of the rows before the send.
+        sendable = None if self._shm else self._sendable(rows_in)
+        if sendable is not None:
+            parts, counts = sendable
+            rnd = self._round(slots, gens, anchors, tokens, n_out, None, counts, None,
+                              self._sampling_of(seeds, top_ks, temps, top_ps), parts=parts)
+            return self._run(rnd, release)
+        parts = [r for r in rows_in if r is not None]
         try:
             # Every part must be a uint8 [n, row_bytes] array: concatenate refuses other
             # widths, ranks and (casting "no") dtypes, isinstance other objects (the set of
@@ -385,11 +397,36 @@ class DraftRounds:
             if bad_rows < 0:
                 raise
             counts[bad_rows:] = 0
-        sampling = (seeds, top_ks, temps, top_ps) if self.sampled or any(top_ks) or \
-            any(seeds) or any(temps) or any(top_ps) else None
-        rnd = self._round(slots, gens, anchors, tokens, n_out, flat, counts, None, sampling,
-                          bad_rows=bad_rows, rows_in=rows_in)
+        rnd = self._round(slots, gens, anchors, tokens, n_out, flat, counts, None,
+                          self._sampling_of(seeds, top_ks, temps, top_ps), bad_rows=bad_rows,
+                          rows_in=rows_in)
         return self._run(rnd, release)
+
+    def _sampling_of(self, seeds: Sequence[Any], top_ks: Sequence[Any], temps: Sequence[Any],
+                     top_ps: Sequence[Any]) -> tuple[Any, Any, Any, Any] | None:
+        """``run``'s sampling columns; None on a greedy session whose requests leave them all
+        0 (the checks refuse any other value there)."""
+        if self.sampled or any(top_ks) or any(seeds) or any(temps) or any(top_ps):
+            return seeds, top_ks, temps, top_ps
+        return None
+
+    def _sendable(self, rows_in: Sequence[Any]
+                  ) -> tuple[list[npt.NDArray[np.uint8]], Ints] | None:
+        """The requests' row arrays that hold rows, and every request's row count, when each
+        is a C-contiguous ``uint8 [n, row_bytes]`` array (strides ``(row_bytes, 1)``), so the
+        STEP can send it as it is; else None (the general path copies or refuses them)."""
+        nd, u8, rb, strides = np.ndarray, _U8, self.row_bytes, (self.row_bytes, 1)
+        parts, counts = [], []
+        for r in rows_in:
+            if r is None:
+                counts.append(0)
+            elif type(r) is nd and r.dtype is u8 and r.strides == strides and \
+                    r.shape[1] == rb:
+                parts.append(r)
+                counts.append(len(r))
+            else:
+                return None
+        return parts, np.array(counts, np.int64)
 
     def run_batch(self, slots: Any, generation: Any, anchor_pos: Any, anchor_token: Any,
                   n_out: Any, rows: npt.NDArray[np.uint8] | None = None,
@@ -448,7 +485,8 @@ class DraftRounds:
     def _round(self, slots: Any, generation: Any, anchor_pos: Any, anchor_token: Any,
                n_out: Any, rows: npt.NDArray[np.uint8] | None, counts: Ints,
                offsets: Ints | None, sampling: tuple[Any, Any, Any, Any] | None, *,
-               bad_rows: int = -1, rows_in: Sequence[Any] = ()) -> _Round:
+               bad_rows: int = -1, rows_in: Sequence[Any] = (),
+               parts: list[npt.NDArray[np.uint8]] | None = None) -> _Round:
         """The round's arrays, refused when they would make the worker answer ST_BAD_FRAME
         (fatal for the engine run): these are the engine's programming errors, raised before
         anything is sent or changed, naming the first request (in order) that breaks a rule
@@ -478,7 +516,7 @@ class DraftRounds:
                 slots=s, generation=g, anchor_pos=a, anchor_token=t, n_out=k, n_rows=counts,
                 rows=rows, row_offsets=offsets, seed=seed if on_s else None,
                 top_k=top_k if on_s else None, temperature=temp if on_s else None,
-                top_p=top_p if on_s else None, usual=usual, same_sampling=same)
+                top_p=top_p if on_s else None, usual=usual, same_sampling=same, parts=parts)
         S, N, U32 = self.max_slots, self.num_spec, wire.U32_MASK
         in_range = (s >= 0) & (s < S)
         # Each check: (where it fails, its message for request i), in the order of the rules;
@@ -548,7 +586,7 @@ class DraftRounds:
             row_offsets=offsets,
             seed=np.where(top_k != 0, seed, 0).astype(np.uint64) if on_s else None,
             top_k=top_k if on_s else None, temperature=temp if on_s else None,
-            top_p=top_p if on_s else None)
+            top_p=top_p if on_s else None, parts=parts)
 
     def _continues(self, s: Any, g: Any, a: Any, counts: Ints) -> bool:
         """Whether the round continues the last one (``_Usual``): same slots in the same order,
@@ -664,8 +702,9 @@ class DraftRounds:
         # the STEP's rows are the engine's array, and they reach the ring while the reply is
         # on its way (the ring write is the round's largest memory traffic).
         rows_in = rnd.rows
-        direct = not written and rows_in is not None and rnd.row_offsets is None and \
-            rows_in.flags.c_contiguous and (k is rnd.n_rows or bool((k == rnd.n_rows).all()))
+        direct = not written and rnd.row_offsets is None and (
+            rnd.parts is not None or (rows_in is not None and rows_in.flags.c_contiguous)) and \
+            (k is rnd.n_rows or bool((k == rnd.n_rows).all()))
         if not written and not direct:
             self._write_rows(rnd)
         rows = self._stage(rnd, chosen, k, end, n_rows, direct)
@@ -771,7 +810,14 @@ class DraftRounds:
             ring.start[cs] = np.minimum(ring.start[cs], ca)
 
     def _write_rows(self, rnd: _Round) -> None:
-        """The round's new rows into the ring, in one scatter (a resync sends them later)."""
+        """The round's new rows into the ring, in one scatter (a resync sends them later).
+        ``run``'s arrays are joined first, into staging when they fit: the gather into staging
+        comes after this."""
+        if rnd.parts is not None and rnd.rows is None:
+            total = int(rnd.n_rows.sum())
+            out = self.staging[:total] if total <= len(self.staging) else \
+                np.empty((total, self.row_bytes), np.uint8)
+            rnd.rows = np.concatenate(rnd.parts, out=out) if rnd.parts else None
         if rnd.rows is not None:
             self.ring.write_batch(rnd.slots, rnd.anchor_pos - rnd.n_rows, rnd.n_rows, rnd.rows,
                                   rnd.row_offsets)
@@ -808,11 +854,13 @@ class DraftRounds:
         return chosen, kind, k, a, True
 
     def _stage(self, rnd: _Round, chosen: Ints, k: Ints, end: Ints, n_rows: int,
-               direct: bool) -> npt.NDArray[np.uint8] | None:
-        """The STEP's rows: the engine's own array (``direct``), else gathered from the ring
-        into staging."""
+               direct: bool) -> Any:
+        """The STEP's rows: the engine's own array or ``run``'s requests' arrays
+        (``direct``), else gathered from the ring into staging."""
         if not n_rows:
             return None
+        if direct and rnd.parts is not None:
+            return rnd.parts
         if direct and rnd.rows is not None:
             rows = rnd.rows[:n_rows]
             if not self._shm or rows.ctypes.data == self.staging.ctypes.data:

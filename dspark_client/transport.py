@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
+import numpy as np
+
 from protocol.constants import APP_HEADER_SIZE
 from protocol.errors import WireError
 from protocol.header import AppHeader
@@ -274,7 +276,7 @@ class SocketClient:
         that needs the request but not the reply, done during the round trip (it must not
         raise)."""
         deadline = time.monotonic() + timeout
-        views = [_byte_view(p) for p in parts]
+        views = [_sendable(p) for p in parts]
         sock = self._usable_socket(deadline)
         try:
             self._send_all(sock, views, deadline, fds)
@@ -319,7 +321,7 @@ class SocketClient:
             self._sock = sock
         return sock
 
-    def _send_all(self, sock: socket.socket, views: list[memoryview], deadline: float,
+    def _send_all(self, sock: socket.socket, views: list[Any], deadline: float,
                   fds: Sequence[int] = ()) -> None:
         # Drop empty parts; sendmsg may send any prefix of the rest, so advance through them.
         pending = [v for v in views if v.nbytes]
@@ -341,7 +343,7 @@ class SocketClient:
                     sent -= head.nbytes
                     pending.pop(0)
                 else:
-                    pending[0] = head[sent:]
+                    pending[0] = _byte_view(head)[sent:]
                     sent = 0
 
     def _recv_exact(self, sock: socket.socket, view: memoryview, deadline: float,
@@ -391,6 +393,15 @@ def _grow(buf: bytearray, size: int) -> None:
                              f" {len(buf)} bytes (pass a bytearray to let it grow)")
     # Double (at least) so a slowly rising reply size does not resize every time.
     buf.extend(bytes(max(size, 2 * len(buf)) - len(buf)))
+
+
+def _sendable(part: Any) -> Any:
+    """A part as ``sendmsg`` takes it, without a copy: a C-contiguous numpy array as it is
+    (sendmsg reads any such buffer, and its ``nbytes`` is its length; a round's rows can be
+    hundreds of arrays, each view a cost), anything else as a flat byte view."""
+    if type(part) is np.ndarray and part.flags.c_contiguous:
+        return part
+    return _byte_view(part)
 
 
 def _byte_view(part: Any) -> memoryview:

@@ -27,3 +27,12 @@ def test_bench_smoke() -> None:
         for form in ("batch", "list"):
             r = bench.bench_rounds(8, sampled, 0.01, form=form)
             assert r["median_us"] > 0 and r["rows_per_slot"] == 4
+
+
+def test_bench_paired_smoke(capsys: Any) -> None:
+    """--paired: every case runs in turn and each round is put against step()."""
+    load_bench().paired_rounds(4, 10)
+    out = capsys.readouterr().out
+    for name in ("step ", "run_batch", "run "):
+        assert out.count(name) >= 2, out
+    assert out.count("x step(): whole") == 4, out

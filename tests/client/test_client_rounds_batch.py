@@ -351,6 +351,57 @@ def test_usual_round_sends_the_engines_rows_as_they_are() -> None:
             link.fw.close()
 
 
+def test_list_form_sends_the_requests_rows_as_they_are() -> None:
+    """``run`` over a socket (no shared region): the STEP's rows are the requests' own arrays,
+    one part each, and the ring takes them while the reply is on its way; a request whose
+    rows are a strided view is copied instead, and either way the STEP is the batch form's."""
+    (la, ca, ra), (lb, cb, rb) = make_pair(False, 4 * W)
+    try:
+        seen: list[Any] = []
+        conn: Any = ca._shared.conn
+        real = conn.request_parts
+
+        def spy(parts: Any, buf: bytearray, timeout: float, **kw: Any) -> int:
+            seen.append(parts)
+            return int(real(parts, buf, timeout, **kw))
+
+        conn.request_parts = spy
+
+        def reqs(a: int, b: int, strided: bool = False) -> list[SlotRequest]:
+            out = []
+            for s in range(3):
+                rows = rows_for(s, 1, a, b)
+                if strided and s == 1:  # the same rows, every other row of a larger array
+                    rows = np.repeat(rows, 2, axis=0)[::2]
+                if s == 2 and b > 6:  # asks for drafts again at its anchor, with no new rows
+                    out.append(SlotRequest(slot=s, generation=1, anchor_pos=6, anchor_token=7,
+                                           n_out=N))
+                    continue
+                out.append(SlotRequest(slot=s, generation=1, anchor_pos=b, anchor_token=7,
+                                       rows=rows, n_out=N))
+            return out
+
+        for a, b, strided in ((0, 6, False), (6, 8, False), (8, 10, True)):
+            got = reqs(a, b, strided)
+            same_result(ra.run(got), as_batch(rb, reqs(a, b, strided), [], None))
+            assert la.steps[-1] == lb.steps[-1]
+        # The second round: each slot continues, slot 2 without rows; the parts are the
+        # requests' arrays themselves.
+        parts = seen[1][1:]
+        assert len(parts) == 2 and all(not np.shares_memory(p, ra.staging) for p in parts)
+        assert all(np.array_equal(p, rows_for(s, 1, 6, 8)) for s, p in enumerate(parts))
+        # The third: the strided rows of slot 1 were copied, so the rows went out joined.
+        assert len(seen[2]) == 2
+        for s, end in ((0, 10), (1, 10), (2, 6)):
+            held = min(W, end)
+            assert np.array_equal(ra.ring.rows(s, end, held), rows_for(s, 1, end - held, end))
+        assert la.fw.errors == [] and lb.fw.errors == []
+    finally:
+        for link, c in ((la, ca), (lb, cb)):
+            c.close()
+            link.fw.close()
+
+
 def test_batch_form_checks_its_arrays() -> None:
     (la, ca, _), (lb, cb, rb) = make_pair(False, 4 * W)
     try:

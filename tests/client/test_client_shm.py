@@ -122,6 +122,14 @@ def test_rows_buffer_is_the_region_and_nothing_is_copied(worker: WorkerProcess,
         assert other.ok and other.reply is not None
         assert c.stats.snapshot()["shm_rows_copied"] == 1
         assert np.array_equal(other.reply.draft_ids, out.reply.draft_ids)
+        # As a list of arrays (one per request, say), they are copied in back to back.
+        e3 = [wire.ReqEntry(slot=2, generation=1, anchor_pos=8, anchor_token=3, n_rows=8,
+                            flags=wire.RF_RESET | wire.RF_NEED_DRAFT)]
+        pieces = [np.array(buf[:3]), np.array(buf[3:4]), np.array(buf[4:])]
+        third = c.step(hdr, e3, 8, 3, rows=pieces)
+        assert third.ok and third.reply is not None
+        assert c.stats.snapshot()["shm_rows_copied"] == 2
+        assert np.array_equal(third.reply.draft_ids, out.reply.draft_ids)
         with pytest.raises(ValueError):
             c.rows_buffer(1025)
     finally:

@@ -348,6 +348,39 @@ def test_parts_arrive_byte_identical_with_partial_sends() -> None:
     assert np.shares_memory(np.frombuffer(first[-1], np.uint8), rows)
 
 
+def test_many_array_parts_arrive_byte_identical_with_partial_sends() -> None:
+    """A round's rows as one array per request: 1,500 two-dimensional parts (more than one
+    sendmsg takes, 1,024) against a late reader arrive in order, each sent from its own
+    memory, the partial sends resuming inside a part."""
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(0, 256, (int(rng.integers(1, 5)), 2000), dtype=np.uint8)
+            for _ in range(1500)]
+    body = b"".join(r.tobytes() for r in rows)
+    head = bytearray(wire.APP_HEADER_SIZE)
+    wire.AppHeader(op=wire.OP_PING, seq=4, session=0, body_len=len(body)).pack_into(head)
+    got = bytearray()
+
+    def handler(conn: socket.socket) -> None:
+        time.sleep(0.05)  # let the sender fill the socket buffers first
+        total = wire.APP_HEADER_SIZE + len(body)
+        while len(got) < total:
+            chunk = conn.recv(min(1 << 16, total - len(got)))
+            if not chunk:
+                return
+            got.extend(chunk)
+        conn.sendall(wire.frame(wire.OP_PING, 4, 0, b""))
+
+    with serve(handler) as ep, make_client(ep) as c:
+        c.connect(1.0)
+        spy = SpySocket(c._sock)
+        c._sock = spy  # type: ignore[assignment]
+        assert c.request_parts([memoryview(head), *rows], bytearray(64), 10.0) == \
+            wire.APP_HEADER_SIZE
+    assert bytes(got) == bytes(head) + body
+    assert len(spy.calls) > 2 and max(len(call) for call in spy.calls) <= 1024
+    assert any(part is rows[5] for part in spy.calls[0])  # the array itself, no view or copy
+
+
 def test_non_contiguous_part_is_refused_before_sending() -> None:
     with FakeWorker() as fw, make_client(fw.endpoint) as c:
         c.connect(1.0)
