@@ -368,6 +368,11 @@ class SocketClient:
         try:
             header = AppHeader.unpack(buf)
         except WireError as exc:
+            if buf.startswith(b"HTTP/"):
+                raise TransportError(
+                    f"{self.endpoint.text} answers HTTP, not dspark frames: is it a worker's"
+                    " metrics port (--metrics-listen)? Give the worker's --listen address"
+                ) from exc
             raise TransportError(f"{self.endpoint.text}: unreadable reply header: {exc}") from exc
         body_len = header.body_len
         if body_len > self.max_reply_bytes:

@@ -45,7 +45,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from protocol.constants import OP_GOODBYE, OP_RESET, OP_SHM_ATTACH, OP_STEP
+from protocol.constants import MAGIC, OP_GOODBYE, OP_RESET, OP_SHM_ATTACH, OP_STEP
 from protocol.errors import FrameHeaderError, FrameTooLargeError
 from protocol.framing import Frame, FrameDecoder
 from protocol.header import AppHeader
@@ -737,6 +737,13 @@ HTTP_TIMEOUT_S = 2.0
 # new connection pushes out the oldest one that has not sent its whole request, so idle
 # connections cannot keep a scrape out.
 MAX_HTTP_CONNECTIONS = 32
+# A connection that opens with a frame header's magic is an engine or a tool given this port
+# instead of --listen: it is told so at once, not after the timeout.
+_FRAME_START = MAGIC.to_bytes(4, "little")
+_NOT_HERE = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+             b"Connection: close\r\n\r\n%s")
+_NOT_HERE_TEXT = (b"this is a dspark worker's metrics port (--metrics-listen): dspark frames go"
+                  b" to its --listen address\n")
 
 
 class MetricsServer:
@@ -783,21 +790,33 @@ class MetricsServer:
         self._open[writer] = True
 
     @staticmethod
-    async def _read_head(reader: asyncio.StreamReader) -> str:
+    async def _read_head(reader: asyncio.StreamReader) -> str | None:
         """The request line, once the head has ended: an empty line (CRLF or a bare LF, as
-        curl -0 and netcat send), or the end of the stream (a client that half-closed)."""
-        first = b""
-        total = 0
+        curl -0 and netcat send), or the end of the stream (a client that half-closed). None:
+        the connection opened with a dspark frame, not HTTP."""
+        head = bytearray()
+        start = 0  # where the first line not yet looked at begins
+        first: bytes | None = None  # the request line (blank lines before it are skipped)
         while True:
-            raw = await reader.readline()
-            total += len(raw)
-            if total > MAX_HTTP_REQUEST_BYTES:
+            chunk = await reader.read(4096)
+            head += chunk
+            if head.startswith(_FRAME_START):
+                return None
+            if len(head) > MAX_HTTP_REQUEST_BYTES:
                 raise ValueError(f"request head over {MAX_HTTP_REQUEST_BYTES} bytes")
-            text = raw.rstrip(b"\r\n")
-            if not first:
-                first = text
-            if not raw.endswith(b"\n") or (not text and first):
-                if not first:
+            # Only this chunk's bytes are searched for line ends: a peer sending a byte at a
+            # time costs one look at each byte, not one at the whole head per byte.
+            at = len(head) - len(chunk)
+            while (end := head.find(b"\n", max(start, at))) >= 0:
+                line = bytes(head[start:end]).rstrip(b"\r")
+                start = at = end + 1
+                if first is None:
+                    first = line or None
+                elif not line:
+                    return first.decode("latin-1")
+            if not chunk:
+                first = first or bytes(head[start:]).rstrip(b"\r") or None
+                if first is None:
                     raise ConnectionError("closed before a request")
                 return first.decode("latin-1")
 
@@ -816,6 +835,10 @@ class MetricsServer:
                 return
             if writer in self._open:
                 self._open[writer] = False
+            if line is None:
+                writer.write(_NOT_HERE % (len(_NOT_HERE_TEXT), _NOT_HERE_TEXT))
+                await asyncio.wait_for(writer.drain(), self.timeout_s)
+                return
             parts = line.split()
             method, target = (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
             path = target.split("?", 1)[0]

@@ -121,6 +121,34 @@ def test_metrics_port_answers_bare_lf_and_unterminated_requests() -> None:
         assert took < 1.0
         out, took = _http(host, int(port), b"GET /healthz HTTP/1.0\r\nHost: x")  # never ends
         assert out.startswith(b"HTTP/1.1 408") and 1.5 < took < 5.0
+        # A request a byte at a time, blank lines first, is still one request.
+        with socket.create_connection((host, int(port)), timeout=5.0) as s:
+            for b in b"\r\n\nGET /healthz HTTP/1.0\r\n\r\n":
+                s.sendall(bytes([b]))
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_a_frame_sent_to_the_metrics_port_is_told_the_flag_at_once(
+        drafter: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine or tool given the metrics port instead of --listen: its HELLO (no line end
+    in it, so an HTTP server would wait for one) is answered at once, in HTTP, with the flag
+    to use, and the client's error says so."""
+    from dspark_client.cli import main as client_main
+    from protocol import wire
+
+    with start_worker(*SMALL) as w:
+        assert w.metrics_url
+        host, port = w.metrics_url.removeprefix("http://").rsplit(":", 1)
+        frame = wire.frame(wire.OP_HELLO, 1, 0, make_hello(drafter).pack())
+        out, took = _http(host, int(port), frame)
+        assert out.startswith(b"HTTP/1.1 400") and b"--listen" in out and took < 1.0
+        capsys.readouterr()
+        t = time.perf_counter()
+        code = client_main(["--endpoint", f"{host}:{port}", "--timeout", "10", "ping"])
+        took = time.perf_counter() - t
+        err = capsys.readouterr().err
+        assert code == 3 and took < 2.0, (code, took, err)
+        assert "answers HTTP, not dspark frames" in err and "--metrics-listen" in err
 
 
 def test_wrong_hello_tags_close_the_connection_after_three(tmp_path: Path,
