@@ -203,11 +203,12 @@ class WorkerInfo:
 
 
 class Reply:
-    """A reply frame to write now; ``close``: close the connection once it is written."""
+    """A reply frame to write now; ``close``: close the connection once it is written, with
+    this reason (``connections_closed_total``); "" keeps it open."""
 
     __slots__ = ("close", "data")
 
-    def __init__(self, data: Buffer, close: bool = False) -> None:
+    def __init__(self, data: Buffer, close: str = "") -> None:
         self.data = data
         self.close = close
 
@@ -370,9 +371,10 @@ class Dispatcher:
         status = exc.status
         # ST_DRAINING closes too: a client that does not know the status reconnects, and the
         # drain ends sooner (app.WorkerApp.stop waits for the connections to go).
-        close = status in (ST_VERSION, ST_DRAINING) or isinstance(exc, FrameTooLargeError)
-        if status == ST_AUTH:
-            close = self._auth_failed(conn) or close
+        close = ("too_large" if isinstance(exc, FrameTooLargeError) else "version"
+                 if status == ST_VERSION else "draining" if status == ST_DRAINING else "")
+        if status == ST_AUTH and self._auth_failed(conn):
+            close = "auth"
         body: bytes = b""
         if h.op == OP_HELLO:
             body = self.info.hello_reply().pack()

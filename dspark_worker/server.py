@@ -312,8 +312,8 @@ class Connection(asyncio.BufferedProtocol):
                 break
             self.server.buffers.release(fr.storage)
             self._write(reply.data)
-            if reply.close:  # a version the worker does not speak (section 3)
-                self._close("version")
+            if reply.close:  # e.g. a version the worker does not speak (section 3)
+                self._close(reply.close)
                 return
         if (self.read_paused and not self.closing and self.transport is not None
                 and len(self.pending) < MAX_PENDING_FRAMES_PER_CONNECTION

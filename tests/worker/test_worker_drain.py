@@ -55,6 +55,12 @@ def test_drain_refuses_hello_and_step_and_finishes_accepted_steps(drafter: Any) 
         r = late.hello(make_hello(d, client_name="late"))
         assert r.status == ST_DRAINING and r.hello().worker_name == "test-worker"
         assert late.is_closed()
+        # Counted as the drain's closes, not as broken streams (DSparkBadStreams).
+        registry = w.app.metrics.registry  # type: ignore[union-attr]
+        closed = w.call(lambda: {reason: registry.get_sample_value(
+            "dspark_worker_connections_closed_total", {"reason": reason}) or 0.0
+            for reason in ("draining", "version")})
+        assert closed == {"draining": 2.0, "version": 0.0}
         # The accepted STEP is drafted and answered once the runner goes on.
         w.release_runner()
         r = busy.recv()

@@ -137,6 +137,14 @@ def test_hello_header_version_closes(worker: ThreadWorker, drafter: Any) -> None
         r = c.recv()
         assert r.status == ST_VERSION and r.header.seq == 1 and r.hello() == worker_reply(drafter)
         assert c.is_closed()
+    assert _closed(worker, "version") >= 1
+
+
+def _closed(w: ThreadWorker, reason: str) -> float:
+    """``connections_closed_total{reason}`` of the worker."""
+    value = w.call(lambda: w.app.metrics.registry.get_sample_value(  # type: ignore[union-attr]
+        "dspark_worker_connections_closed_total", {"reason": reason}))
+    return value or 0.0
 
 
 def test_hello_bad_frames(worker: ThreadWorker, drafter: Any) -> None:
@@ -162,6 +170,7 @@ def test_hello_auth(drafter: Any, tmp_path: Any) -> None:
         # auth comes before identity: an unauthenticated peer learns nothing more
         assert_refused(c, make_hello(drafter, drafter_identity=bytes(32)), ST_AUTH, drafter)
         assert c.is_closed()  # three wrong tags on one connection: closed
+        assert _closed(w, "auth") == 1 and _closed(w, "version") == 0
         c = w.connect()
         signed = sign_hello(b"s3cret-value", c.session, c.seq + 1, make_hello(drafter))
         # the tag binds session and seq: the same signed body under another seq is refused
