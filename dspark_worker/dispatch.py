@@ -228,13 +228,20 @@ class RateLimitedLog:
         # key -> [window start, lines held back, what they are, log level]
         self._windows: dict[Any, list[Any]] = {}
 
+    def error(self, key: Any, what: str, msg: str, *args: Any,
+              exc_info: BaseException | None = None) -> None:
+        """As ``warning``, at ERROR, with ``exc_info``'s traceback on the lines that are
+        logged."""
+        self._emit(logging.ERROR, key, what, msg, args, exc_info)
+
     def warning(self, key: Any, what: str, msg: str, *args: Any) -> None:
         self._emit(logging.WARNING, key, what, msg, args)
 
     def info(self, key: Any, what: str, msg: str, *args: Any) -> None:
         self._emit(logging.INFO, key, what, msg, args)
 
-    def _emit(self, level: int, key: Any, what: str, msg: str, args: tuple[Any, ...]) -> None:
+    def _emit(self, level: int, key: Any, what: str, msg: str, args: tuple[Any, ...],
+              exc_info: BaseException | None = None) -> None:
         now = self._clock()
         w = self._windows.get(key)
         if w is not None:
@@ -245,7 +252,7 @@ class RateLimitedLog:
         if len(self._windows) >= self._max_keys:  # keep the map bounded under a flood
             self.flush(now, everything=True)
         self._windows[key] = [now, 0, what, level]
-        self._log.log(level, msg, *args)
+        self._log.log(level, msg, *args, exc_info=exc_info)
 
     def flush(self, now: float | None = None, *, everything: bool = False) -> None:
         """Say what was held back in every window that has ended."""
@@ -357,10 +364,16 @@ class Dispatcher:
             return self._refuse(conn, h, exc)
         except Exception as exc:
             # A bug, not a bad frame: the session it touched may be half changed, so drop it.
-            log.exception("%s seq %d from %s failed", h.op_name, h.seq, conn.peer)
+            # (One traceback per peer host, op and error a window: a peer that can trigger the
+            # bug again and again must not flood the log.)
+            name = type(exc).__name__
+            self._refusal_log.error((conn.peer_host, h.op, name),
+                                    f"{h.op_name} {name} failures from {conn.peer_host}",
+                                    "%s seq %d from %s failed", h.op_name, h.seq, conn.peer,
+                                    exc_info=exc)
             s = self.table.get(h.session)
             if s is not None and s.conn_id == conn.conn_id and h.op != OP_PING:
-                self._drop(s, DropReason.INTERNAL, f"{type(exc).__name__} in {h.op_name}")
+                self._drop(s, DropReason.INTERNAL, f"{name} in {h.op_name}")
             return self._refuse(conn, h, InternalError(f"{type(exc).__name__}: {exc}"))
 
     def refuse_too_large(self, conn: Conn, h: AppHeader, exc: FrameTooLargeError) -> Reply:
@@ -587,9 +600,11 @@ class Dispatcher:
             exc = item.error
             if isinstance(exc, NonFiniteOutput):
                 self.outputs_broken = str(exc)
-            log.error("STEP seq %d of session %#010x failed on the device: %s: %s",
-                      h.seq, h.session, type(exc).__name__, exc,
-                      exc_info=exc if not isinstance(exc, WireError) else None)
+            name = type(exc).__name__
+            self._refusal_log.error(("device", name), f"STEP {name} failures on the device",
+                                    "STEP seq %d of session %#010x failed on the device: %s: %s",
+                                    h.seq, h.session, name, exc,
+                                    exc_info=exc if not isinstance(exc, WireError) else None)
             self._drop(item.session, DropReason.INTERNAL, f"{type(exc).__name__}: {exc}")
             m.frame(h.op, ST_INTERNAL)
             conn.complete(self._frame(h, ST_INTERNAL))

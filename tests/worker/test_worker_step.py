@@ -410,6 +410,25 @@ def test_internal_error_drops_only_that_session(drafter: Any) -> None:
         good.close()
 
 
+def test_a_failure_repeated_by_a_peer_logs_one_traceback(drafter: Any,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Each failed STEP drops its session, but a peer can HELLO again and repeat it: one
+    traceback per window, the rest counted."""
+    d = drafter
+    e_bad = [ReqEntry(slot=0, generation=1, anchor_pos=8, anchor_token=13, n_rows=8,
+                      flags=RF_NEED_DRAFT)]
+    with thread_worker(FailingDrafter(d)) as w, caplog.at_level("ERROR", "dspark_worker"):
+        for _ in range(5):
+            c = session(w, d)
+            assert c.step(e_bad, rows_for(d, 0, 1, 0, 8), d.row_bytes).status == ST_INTERNAL
+            c.close()
+        failed = [r for r in caplog.records if "failed on the device" in r.getMessage()]
+        assert len(failed) == 1 and failed[0].exc_info is not None
+        w.call(lambda: w.app.dispatcher._refusal_log.flush(everything=True))  # type: ignore[union-attr]
+        assert any("4 more STEP RuntimeError failures on the device were not logged"
+                   in r.getMessage() for r in caplog.records)
+
+
 def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     import time
 
