@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
@@ -96,6 +97,7 @@ _NO_ENTRIES: Final = np.zeros(0, wire.ENTRY_DTYPE)
 # Generations are kept as int64 (the wire carries the low 32 bits, 7.1).
 _MAX_GENERATION: Final = (1 << 63) - 1
 _U8: Final = np.dtype(np.uint8)
+_BASE: Final = operator.attrgetter("base")
 
 
 def fair_bound_rounds(n_slots: int, budget: int, window: int) -> int:
@@ -284,6 +286,9 @@ class DraftRounds:
         # the only copy of a round's rows and nothing crosses the socket.
         self.staging: npt.NDArray[np.uint8] = client.rows_buffer(h.max_rows_per_step)
         self._shm = client.shm_region is not None
+        # The array whose memory staging is: what views of it (an engine's own, say) name
+        # as their base.
+        self._staging_owner = self.staging if self.staging.base is None else self.staging.base
         self._headers = bytearray(wire.APP_HEADER_SIZE + wire.rows_offset_for(h.max_slots))
         self._step_id = 0
         S = h.max_slots
@@ -377,10 +382,7 @@ class DraftRounds:
                     parts[0].shape[1] == rb:
                 flat = parts[0]
             elif total or parts:
-                # Into staging when they fit: run_batch reads them before it writes staging.
-                out = self.staging[:total] if total <= len(self.staging) else \
-                    np.empty((total, rb), np.uint8)
-                flat = np.concatenate(parts, out=out, casting="no")
+                flat = self._join(parts, total)
             if flat is not None and flat.shape[1:] != (rb,):
                 raise ValueError("rows of another width")
         except (TypeError, ValueError, IndexError, AttributeError):
@@ -401,6 +403,19 @@ class DraftRounds:
                           self._sampling_of(seeds, top_ks, temps, top_ps), bad_rows=bad_rows,
                           rows_in=rows_in)
         return self._run(rnd, release)
+
+    def _join(self, parts: list[Any], total: int) -> npt.NDArray[np.uint8]:
+        """``run``'s row arrays back to back: into staging when they fit (the round reads them
+        before it gathers into staging) and none of them is a view of the staging buffer's
+        memory, since ``np.concatenate`` does not guard its output against overlapping an
+        input; else into a new array."""
+        if total <= len(self.staging) and \
+                id(self._staging_owner) not in set(map(id, map(_BASE, parts))):
+            out = self.staging[:total]
+        else:
+            out = np.empty((total, self.row_bytes), np.uint8)
+        # (casting "no": rows of another dtype are refused, not converted)
+        return np.concatenate(parts, out=out, casting="no")
 
     def _sampling_of(self, seeds: Sequence[Any], top_ks: Sequence[Any], temps: Sequence[Any],
                      top_ps: Sequence[Any]) -> tuple[Any, Any, Any, Any] | None:
@@ -814,10 +829,7 @@ class DraftRounds:
         ``run``'s arrays are joined first, into staging when they fit: the gather into staging
         comes after this."""
         if rnd.parts is not None and rnd.rows is None:
-            total = int(rnd.n_rows.sum())
-            out = self.staging[:total] if total <= len(self.staging) else \
-                np.empty((total, self.row_bytes), np.uint8)
-            rnd.rows = np.concatenate(rnd.parts, out=out) if rnd.parts else None
+            rnd.rows = self._join(rnd.parts, int(rnd.n_rows.sum())) if rnd.parts else None
         if rnd.rows is not None:
             self.ring.write_batch(rnd.slots, rnd.anchor_pos - rnd.n_rows, rnd.n_rows, rnd.rows,
                                   rnd.row_offsets)

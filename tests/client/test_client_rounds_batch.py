@@ -402,6 +402,32 @@ def test_list_form_sends_the_requests_rows_as_they_are() -> None:
             link.fw.close()
 
 
+def test_list_form_rows_in_staging_out_of_order() -> None:
+    """Requests whose rows are views of ``staging`` itself, in another order than the
+    requests: joining them there would overwrite some before they are read, so they are
+    joined elsewhere, and the STEP and the ring hold the right rows."""
+    (la, ca, ra), (lb, cb, rb) = make_pair(False, 4 * W)
+    try:
+        for a, b in ((0, 6), (6, 8)):
+            k = b - a
+            for s in range(3):  # slot s's rows at staging rows [(2 - s) * k, (3 - s) * k)
+                ra.staging[(2 - s) * k:(3 - s) * k] = rows_for(s, 1, a, b)
+            reqs = [SlotRequest(slot=s, generation=1, anchor_pos=b, anchor_token=7,
+                                rows=ra.staging[(2 - s) * k:(3 - s) * k], n_out=N)
+                    for s in range(3)]
+            same_result(ra.run(reqs), as_batch(rb, [SlotRequest(
+                slot=s, generation=1, anchor_pos=b, anchor_token=7, rows=rows_for(s, 1, a, b),
+                n_out=N) for s in range(3)], [], None))
+            assert la.steps[-1] == lb.steps[-1]
+        for s in range(3):
+            assert np.array_equal(ra.ring.rows(s, 8, 8), rows_for(s, 1, 0, 8))
+        assert la.fw.errors == []
+    finally:
+        for link, c in ((la, ca), (lb, cb)):
+            c.close()
+            link.fw.close()
+
+
 def test_batch_form_checks_its_arrays() -> None:
     (la, ca, _), (lb, cb, rb) = make_pair(False, 4 * W)
     try:
