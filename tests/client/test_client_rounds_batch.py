@@ -310,20 +310,26 @@ def test_both_forms_refuse_alike_and_send_nothing(bad: dict[str, Any], words: st
             link.fw.close()
 
 
+def spy_parts(client: RemoteDraftClient) -> list[Any]:
+    """The parts of every frame the client's transport is given from now on."""
+    seen: list[Any] = []
+    conn: Any = client._shared.conn
+    real = conn.request_parts
+
+    def spy(parts: Any, buf: bytearray, timeout: float, **kw: Any) -> int:
+        seen.append(parts)
+        return int(real(parts, buf, timeout, **kw))
+
+    conn.request_parts = spy
+    return seen
+
+
 def test_usual_round_sends_the_engines_rows_as_they_are() -> None:
     """Every slot continuing with its new rows, back to back: the STEP's rows part is the
     engine's own array (no staging copy); one of them resyncing: gathered into staging."""
     (la, ca, _), (lb, cb, rb) = make_pair(False, 4 * W)
     try:
-        seen: list[Any] = []
-        conn: Any = cb._shared.conn
-        real = conn.request_parts
-
-        def spy(parts: Any, buf: bytearray, timeout: float, **kw: Any) -> int:
-            seen.append(parts)
-            return int(real(parts, buf, timeout, **kw))
-
-        conn.request_parts = spy
+        seen = spy_parts(cb)
         slots = np.array([0, 1, 2])
         first = np.concatenate([rows_for(s, 1, 0, 6) for s in range(3)])
         assert rb.run_batch(slots, 1, 6, 7, N, first, [6, 6, 6]).ok
@@ -357,15 +363,7 @@ def test_list_form_sends_the_requests_rows_as_they_are() -> None:
     rows are a strided view is copied instead, and either way the STEP is the batch form's."""
     (la, ca, ra), (lb, cb, rb) = make_pair(False, 4 * W)
     try:
-        seen: list[Any] = []
-        conn: Any = ca._shared.conn
-        real = conn.request_parts
-
-        def spy(parts: Any, buf: bytearray, timeout: float, **kw: Any) -> int:
-            seen.append(parts)
-            return int(real(parts, buf, timeout, **kw))
-
-        conn.request_parts = spy
+        seen = spy_parts(ca)
 
         def reqs(a: int, b: int, strided: bool = False) -> list[SlotRequest]:
             out = []

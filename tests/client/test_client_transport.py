@@ -248,15 +248,20 @@ def test_body_over_limit_is_refused() -> None:
         assert len(buf) == 64 and not c.connected
 
 
-def test_unreadable_header_closes() -> None:
+@pytest.mark.parametrize("answer, words", [
+    (b"\x16\x03\x01" + bytes(40), "unreadable reply header"),
+    (b"HTTP/1.1 400 Bad Request\r\n\r\n",
+     r"answers HTTP, not dspark frames: is it a worker's metrics port \(--metrics-listen\)"),
+])
+def test_unreadable_header_closes(answer: bytes, words: str) -> None:
     def handler(conn: socket.socket) -> None:
         read_frame(conn)
-        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        conn.sendall(answer)
         time.sleep(0.2)
 
     with serve(handler) as ep, make_client(ep) as c:
         c.connect(1.0)
-        with pytest.raises(TransportError, match="unreadable reply header"):
+        with pytest.raises(TransportError, match=words):
             c.request(ping_frame(), bytearray(64), 1.0)
         assert not c.connected
 
@@ -316,6 +321,22 @@ def test_deadline_covers_the_whole_request() -> None:
 
 
 # -- scatter-gather --------------------------------------------------------------------------------
+def late_reader(got: bytearray, total: int, seq: int) -> Any:
+    """A handler that waits (the sender fills the socket buffers meanwhile), reads ``total``
+    bytes into ``got`` and answers a PING of ``seq``."""
+
+    def handler(conn: socket.socket) -> None:
+        time.sleep(0.05)
+        while len(got) < total:
+            chunk = conn.recv(min(1 << 16, total - len(got)))
+            if not chunk:
+                return
+            got.extend(chunk)
+        conn.sendall(wire.frame(wire.OP_PING, seq, 0, b""))
+
+    return handler
+
+
 def test_parts_arrive_byte_identical_with_partial_sends() -> None:
     """[headers, rows] of 16 MiB against a late reader: sendmsg sends part, the rest follows."""
     rows = np.random.default_rng(2).integers(0, 256, (4096, 4096), dtype=np.uint8)
@@ -325,17 +346,7 @@ def test_parts_arrive_byte_identical_with_partial_sends() -> None:
     wire.AppHeader(op=wire.OP_PING, seq=3, session=0, body_len=body_len).pack_into(head)
     got = bytearray()
 
-    def handler(conn: socket.socket) -> None:
-        time.sleep(0.05)  # let the sender fill the socket buffers first
-        total = wire.APP_HEADER_SIZE + body_len
-        while len(got) < total:
-            chunk = conn.recv(min(1 << 16, total - len(got)))
-            if not chunk:
-                return
-            got.extend(chunk)
-        conn.sendall(wire.frame(wire.OP_PING, 3, 0, b""))
-
-    with serve(handler) as ep, make_client(ep) as c:
+    with serve(late_reader(got, wire.APP_HEADER_SIZE + body_len, 3)) as ep, make_client(ep) as c:
         c.connect(1.0)
         spy = SpySocket(c._sock)
         c._sock = spy  # type: ignore[assignment]
@@ -360,17 +371,7 @@ def test_many_array_parts_arrive_byte_identical_with_partial_sends() -> None:
     wire.AppHeader(op=wire.OP_PING, seq=4, session=0, body_len=len(body)).pack_into(head)
     got = bytearray()
 
-    def handler(conn: socket.socket) -> None:
-        time.sleep(0.05)  # let the sender fill the socket buffers first
-        total = wire.APP_HEADER_SIZE + len(body)
-        while len(got) < total:
-            chunk = conn.recv(min(1 << 16, total - len(got)))
-            if not chunk:
-                return
-            got.extend(chunk)
-        conn.sendall(wire.frame(wire.OP_PING, 4, 0, b""))
-
-    with serve(handler) as ep, make_client(ep) as c:
+    with serve(late_reader(got, wire.APP_HEADER_SIZE + len(body), 4)) as ep, make_client(ep) as c:
         c.connect(1.0)
         spy = SpySocket(c._sock)
         c._sock = spy  # type: ignore[assignment]
