@@ -313,7 +313,8 @@ class WorkerApp:
                                    max_connections=c.max_connections,
                                    partial_timeout_s=c.partial_frame_timeout_s,
                                    handshake_timeout_s=c.handshake_timeout_s,
-                                   connection_idle_s=c.connection_idle_s)
+                                   connection_idle_s=c.connection_idle_s,
+                                   metrics_address=self.metrics_address)
         try:
             if c.listen:
                 host, port = parse_host_port(c.listen)

@@ -158,8 +158,7 @@ class Connection(asyncio.BufferedProtocol):
         try:
             frames = self.decoder.buffer_updated(nbytes)
         except FrameHeaderError as exc:
-            self.server.bad_stream(self, "bad_magic", str(exc))
-            self._close("bad_magic")
+            self._bad_magic(exc)
             return
         except FrameTooLargeError as exc:
             h = self.decoder.error_header
@@ -344,6 +343,14 @@ class Connection(asyncio.BufferedProtocol):
         self.transport.write(data)
         self.server.metrics.sent(len(data))
 
+    def _bad_magic(self, exc: FrameHeaderError) -> None:
+        """A stream that does not start a frame: closed. One that starts an HTTP request (a
+        scrape or probe given this port instead of the metrics port) is told so first."""
+        self.server.bad_stream(self, "bad_magic", str(exc))
+        if exc.value in _HTTP_STARTS:
+            self._write(self.server.http_answer())
+        self._close("bad_magic")
+
     def _close(self, reason: str) -> None:
         if self.closing:
             return
@@ -416,11 +423,12 @@ class Connection(asyncio.BufferedProtocol):
         except (FrameHeaderError, FrameTooLargeError) as exc:
             close_fds([fd for fd in fds if fd >= 0])
             h = self.decoder.error_header
-            if isinstance(exc, FrameTooLargeError) and h is not None:
-                self._write(self.dispatcher.refuse_too_large(self, h, exc).data)
+            if isinstance(exc, FrameTooLargeError):
+                if h is not None:
+                    self._write(self.dispatcher.refuse_too_large(self, h, exc).data)
+                self._close("too_large")
             else:
-                self.server.bad_stream(self, "bad_magic", str(exc))
-            self._close("too_large" if isinstance(exc, FrameTooLargeError) else "bad_magic")
+                self._bad_magic(exc)
             return
         # They came with the frame's first bytes: they belong to the next frame completed (its
         # body, if any, arrives through the transport).
@@ -460,14 +468,21 @@ class Connection(asyncio.BufferedProtocol):
         self._close("shutdown")
 
 
+# A frame header's first word when the stream is an HTTP/1 request (or HTTP/2's preface).
+_HTTP_STARTS = frozenset(int.from_bytes(m, "little") for m in (
+    b"GET ", b"HEAD", b"POST", b"PUT ", b"DELE", b"OPTI", b"PATC", b"PRI "))
+
+
 class WorkerServer:
     """The listeners and the set of open connections."""
 
     def __init__(self, dispatcher: Dispatcher, metrics: Metrics, buffers: BufferPool, *,
                  max_frame_bytes: int, max_connections: int, partial_timeout_s: float,
                  handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
-                 connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S) -> None:
+                 connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S,
+                 metrics_address: tuple[str, int] | None = None) -> None:
         self.dispatcher = dispatcher
+        self.metrics_address = metrics_address
         self.metrics = metrics
         self.buffers = buffers
         self.max_frame_bytes = max_frame_bytes
@@ -615,6 +630,15 @@ class WorkerServer:
         self.metrics.connections_closed.labels(reason=reason).inc()
         log.debug("connection %d from %s closed: %s", conn.conn_id, conn.peer, reason)
 
+    def http_answer(self) -> bytes:
+        """What an HTTP request on the draft port gets before the connection closes."""
+        where = (f"on port {self.metrics_address[1]} (--metrics-listen)"
+                 if self.metrics_address else "nowhere: this worker runs with"
+                 " --metrics-listen none")
+        text = (f"this is a dspark worker's draft port: it speaks dspark frames, not HTTP;"
+                f" its /metrics and /healthz are served {where}\n").encode()
+        return http_400(text)
+
     def bad_stream(self, conn: Connection, reason: str, detail: str) -> None:
         self._log.warning((conn.peer_host, reason), f"{reason} closes from {conn.peer_host}",
                           "closing connection from %s: %s (%s)", conn.peer, reason, detail)
@@ -740,10 +764,14 @@ MAX_HTTP_CONNECTIONS = 32
 # A connection that opens with a frame header's magic is an engine or a tool given this port
 # instead of --listen: it is told so at once, not after the timeout.
 _FRAME_START = MAGIC.to_bytes(4, "little")
-_NOT_HERE = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
-             b"Connection: close\r\n\r\n%s")
-_NOT_HERE_TEXT = (b"this is a dspark worker's metrics port (--metrics-listen): dspark frames go"
-                  b" to its --listen address\n")
+_NOT_HERE = (b"this is a dspark worker's metrics port (--metrics-listen): dspark frames go"
+             b" to its --listen address\n")
+
+
+def http_400(text: bytes) -> bytes:
+    """A whole HTTP/1.1 ``400`` response whose body is ``text``, closing the connection."""
+    return (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n%s" % (len(text), text))
 
 
 class MetricsServer:
@@ -836,7 +864,7 @@ class MetricsServer:
             if writer in self._open:
                 self._open[writer] = False
             if line is None:
-                writer.write(_NOT_HERE % (len(_NOT_HERE_TEXT), _NOT_HERE_TEXT))
+                writer.write(http_400(_NOT_HERE))
                 await asyncio.wait_for(writer.drain(), self.timeout_s)
                 return
             parts = line.split()

@@ -128,11 +128,12 @@ def test_metrics_port_answers_bare_lf_and_unterminated_requests() -> None:
             assert s.recv(65536).startswith(b"HTTP/1.1 200")
 
 
-def test_a_frame_sent_to_the_metrics_port_is_told_the_flag_at_once(
+def test_each_port_tells_a_stray_client_which_port_it_wanted(
         drafter: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """An engine or tool given the metrics port instead of --listen: its HELLO (no line end
     in it, so an HTTP server would wait for one) is answered at once, in HTTP, with the flag
-    to use, and the client's error says so."""
+    to use, and the client's error says so. A scrape or probe given the draft port: answered
+    in HTTP with the metrics port, then closed."""
     from dspark_client.cli import main as client_main
     from protocol import wire
 
@@ -149,6 +150,10 @@ def test_a_frame_sent_to_the_metrics_port_is_told_the_flag_at_once(
         err = capsys.readouterr().err
         assert code == 3 and took < 2.0, (code, took, err)
         assert "answers HTTP, not dspark frames" in err and "--metrics-listen" in err
+        assert w.host and w.port
+        out, took = _http(w.host, w.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 400") and took < 1.0
+        assert f"served on port {port} (--metrics-listen)".encode() in out
 
 
 def test_wrong_hello_tags_close_the_connection_after_three(tmp_path: Path,
