@@ -335,8 +335,10 @@ class DraftRounds:
 
     def run(self, requests: Sequence[SlotRequest], release: Iterable[int] = ()) -> RoundResult:
         """One round, one ``SlotRequest`` per slot: ``run_batch`` with the requests' fields
-        gathered into arrays (their rows copied back to back once, into the staging buffer
-        when they fit).
+        gathered into arrays. Over a socket the usual round sends each request's rows array
+        as it is (when all are C-contiguous ``uint8 [n, row_bytes]``) and joins them for the
+        ring while the reply is on its way; otherwise, and on a ``unix+shm://`` endpoint, they
+        are copied back to back once first (into the staging buffer when they fit).
 
         ``release``: slots whose requests finished; the worker frees them (RF_RELEASE) and rank
         0 forgets them. A slot both released and requested is taken as a new request."""
