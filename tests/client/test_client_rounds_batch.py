@@ -241,6 +241,12 @@ def test_batch_and_list_forms_send_and_give_the_same(
                                  float(rng.uniform(0.3, 2.0)), float(rng.choice([0.0, 0.9, 1.0])))
                                 for _ in slots]
                 reqs = hist.requests(slots, n_out, skip, sampling)
+                with_rows = [j for j, r in enumerate(reqs) if r.rows is not None]
+                if with_rows and rng.random() < 0.25:
+                    # One request's rows as a strided view: run copies the round's rows
+                    # before the send instead of sending each request's array.
+                    j = with_rows[int(rng.integers(len(with_rows)))]
+                    reqs[j].rows = np.repeat(reqs[j].rows, 2, axis=0)[::2]
                 gap = rng.integers(0, 3, len(slots)).tolist() if gaps else None
                 res_a = ra.run(reqs, release=release)
                 res_b = as_batch(rb, reqs, release, gap)
