@@ -2,7 +2,7 @@
 goes, per round, between the client, the worker's host side and the device.
 
     python bench/bench_engine_round.py [--rounds 100] [--slots 64] [--rows 5] [--window 64]
-                                       [--device cpu] [--threads 1] [--sampled]
+                                       [--device cpu] [--threads 1] [--sampled] [--form list]
 
 The worker serves a small random drafter that reads Qwen3-4B-shaped taps (5 layers x 2560,
 bf16: 25,600-byte rows; ``bench_worker.taps_25600_checkpoint``, written to a temporary
@@ -23,7 +23,10 @@ rounds, µs; each as a share of the round's median):
   ``worker_us`` less the worker host time;
 * transport: the rest of the round trip (sending the rows, the reply's way back, wake-ups).
 
-The worker's stage medians (STATS ``latency_us``) are printed beside them.
+The worker's stage medians (STATS ``latency_us``) are printed beside them. ``--form list``
+makes the rounds through ``DraftRounds.run`` instead, one ``SlotRequest`` per slot whose rows
+are that slot's part of the round's array (built before the round is timed), over tcp:// and
+unix+shm://.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from bench_worker import taps_25600_checkpoint  # noqa: E402
 from dspark_client.client import RemoteDraftClient  # noqa: E402
 from dspark_client.config import RemoteConfig  # noqa: E402
 from dspark_client.hello import hello_from_checkpoint  # noqa: E402
-from dspark_client.rounds import DraftRounds  # noqa: E402
+from dspark_client.rounds import DraftRounds, SlotRequest  # noqa: E402
 from protocol import wire  # noqa: E402
 from tests.support.worker_proc import start_worker  # noqa: E402
 
@@ -105,7 +108,17 @@ def run_endpoint(endpoint: str, ckpt: str, args: argparse.Namespace,
                 rows[:] = pool[r % 4]
                 w0 = client.stats.get("worker_us_total")
                 t0 = time.perf_counter()
-            res = rounds.run_batch(slots, 1, anchor, tokens, N, rows, k, **sampling)
+            if args.form == "list":  # the engine's own objects, made before the round
+                reqs = [SlotRequest(slot=i, generation=1, anchor_pos=int(anchor[i]),
+                                    anchor_token=int(tokens[i]), rows=rows[i * k:(i + 1) * k],
+                                    n_out=N, **({key: v if np.isscalar(v) else int(v[i])
+                                                 for key, v in sampling.items()}))
+                        for i in range(n)]
+                w0 = client.stats.get("worker_us_total")
+                t0 = time.perf_counter()
+                res = rounds.run(reqs)
+            else:
+                res = rounds.run_batch(slots, 1, anchor, tokens, N, rows, k, **sampling)
             t1 = time.perf_counter()
             if not res.ok or res.resynced:
                 raise SystemExit(f"{endpoint}: round {r}: {res.reason}, resynced {res.resynced}")
@@ -141,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="the worker's --threads")
     p.add_argument("--sampled", action="store_true", help="top_k 16 sampling on every slot")
+    p.add_argument("--form", choices=("batch", "list"), default="batch",
+                   help="batch: run_batch (default); list: run, one SlotRequest per slot")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="dspark-bench-")
@@ -155,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     with start_worker(*extra) as w:
         for endpoint in (f"tcp://{w.host}:{w.port}", f"unix+shm://{path}"):
             results.append(run_endpoint(endpoint, ckpt, args))
-        results.append(run_endpoint(f"unix+shm://{path}", ckpt, args, in_staging=True))
+        if args.form == "batch":
+            results.append(run_endpoint(f"unix+shm://{path}", ckpt, args, in_staging=True))
         if w.stop() != 0:
             raise SystemExit("worker did not exit 0")
     if args.json:
@@ -164,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     r0 = results[0]
     print(f"{r0['slots']} slots, {r0['rows_per_slot']} new rows of {r0['row_bytes']} bytes per"
           f" slot per round ({r0['slots'] * r0['rows_per_slot'] * r0['row_bytes'] / 1e6:.1f} MB),"
-          f" W {args.window}, {'sampled' if args.sampled else 'greedy'}, device {args.device};"
+          f" W {args.window}, {'sampled' if args.sampled else 'greedy'}, device {args.device},"
+          f" {'run (SlotRequest)' if args.form == 'list' else 'run_batch'};"
           f" medians of {args.rounds} rounds, us (share of the round)")
     print(f"{'transport':<26} {'round':>8} | {'client':>14} {'worker host':>14} {'device':>14}"
           f" {'transport':>14}")
