@@ -21,6 +21,7 @@ from dspark_worker.drafter import (
     random_tensors,
 )
 from dspark_worker.drafter.step import EagerReplay
+from protocol import sampled
 
 TINY = DrafterConfig(
     hidden_size=64,
@@ -52,6 +53,19 @@ def make_drafter(config: DrafterConfig = TINY, seed: int = 7,
                  tensors: dict[str, torch.Tensor] | None = None) -> Drafter:
     return from_tensors(config, tensors if tensors is not None else random_tensors(config, seed),
                         device="cpu", dtype=torch.float32)
+
+
+def check_sampled(out: DraftResult, sampling: SamplingParams, anchors: Any,
+                  vocab_size: int) -> None:
+    """A sampled draft keeps the contract's rules for what a client receives (9.2, 9.3): its
+    proposals are valid top-k distributions and its draws are the ones the seeds give."""
+    assert out.support_ids is not None and out.proposal_q is not None
+    top_k = np.asarray(sampling.top_k)
+    sampled.validate((top_k > 0).astype(np.uint8), out.support_ids, out.proposal_q,
+                     out.draft_ids, np.ones(top_k.size, dtype=bool), vocab_size, top_k)
+    sampled.check_draws(top_k > 0, out.support_ids, out.proposal_q, out.draft_ids,
+                        np.asarray(sampling.seed, dtype=np.uint64), sampling.generation,
+                        anchors)
 
 
 def bf16_taps(rng: np.random.Generator, n: int, width: int) -> np.ndarray:

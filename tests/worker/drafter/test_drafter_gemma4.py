@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from drafter_support import bf16_taps, check_bf16_many_lanes
+from drafter_support import bf16_taps, check_bf16_many_lanes, check_sampled
 from safetensors.torch import load_file, save_file
 
 from dspark_client import hello_from_checkpoint
@@ -44,7 +44,6 @@ from dspark_worker.drafter import (
     random_tensors,
     save_checkpoint,
 )
-from protocol import sampled
 from protocol.identity import identities_from_checkpoint
 
 DATA = Path(__file__).resolve().parent / "data" / "gemma4_tiny"
@@ -291,11 +290,7 @@ def test_sampled_drafts_satisfy_the_contract(g4: Drafter) -> None:
     tokens = [5, 6, 7]
     out = g4.draft(pool, lanes, counts, tokens, sampling=params, keep_logits=True)
     assert out.support_ids is not None and out.proposal_q is not None and out.logits is not None
-    top_k = np.array(params.top_k)
-    sampled.validate((top_k > 0).astype(np.uint8), out.support_ids, out.proposal_q,
-                     out.draft_ids, np.ones(3, dtype=bool), g4.vocab_size, top_k)
-    sampled.check_draws(top_k > 0, out.support_ids, out.proposal_q, out.draft_ids,
-                        np.array(params.seed, dtype=np.uint64), params.generation, counts)
+    check_sampled(out, params, counts, g4.vocab_size)
     # corrected logits are bounded by the softcap plus the Markov bias: q sees the cap
     assert np.abs(out.logits).max() < 30.0 + 50.0
     ref = g4.reference_draft([r[-16:] for r in rows], counts, tokens, sampling=params)
@@ -563,9 +558,4 @@ def test_cuda_fp32_vectors_and_bf16_tolerance(cases: list[dict[str, Any]]) -> No
         params = SamplingParams(top_k=[32, 4], temperature=[1.0, 0.8], top_p=[0.0, 0.9],
                                 seed=[1, 2], generation=[0, 5])
         out = gpu.draft(pool, lanes, anchors, [3, 4], sampling=params)
-        assert out.support_ids is not None and out.proposal_q is not None
-        top_k = np.array(params.top_k)
-        sampled.validate(np.ones(2, np.uint8), out.support_ids, out.proposal_q, out.draft_ids,
-                         np.ones(2, dtype=bool), gpu.vocab_size, top_k)
-        sampled.check_draws(np.ones(2, bool), out.support_ids, out.proposal_q, out.draft_ids,
-                            np.array(params.seed, dtype=np.uint64), params.generation, anchors)
+        check_sampled(out, params, anchors, gpu.vocab_size)

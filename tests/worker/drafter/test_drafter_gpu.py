@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from drafter_support import TINY, make_drafter, make_rows
+from drafter_support import TINY, check_sampled, make_drafter, make_rows
 
 from dspark_worker.drafter import Drafter, RingPool, SamplingParams, from_tensors, random_tensors
 from protocol import sampled
@@ -97,11 +97,8 @@ def test_cuda_sampled_satisfies_the_contract(dtype: torch.dtype) -> None:
                             seed=[1, 2, 3], generation=[0, 5, 0])
     out = gpu.draft(pool, lanes, anchors, [3, 4, 5], sampling=params, keep_logits=True)
     assert out.support_ids is not None and out.proposal_q is not None and out.logits is not None
+    check_sampled(out, params, anchors, TINY.vocab_size)
     top_k = np.array(params.top_k)
-    sampled.validate((top_k > 0).astype(np.uint8), out.support_ids, out.proposal_q,
-                     out.draft_ids, np.ones(3, dtype=bool), TINY.vocab_size, top_k)
-    sampled.check_draws(top_k > 0, out.support_ids, out.proposal_q, out.draft_ids,
-                        np.array(params.seed, dtype=np.uint64), params.generation, anchors)
     temps = np.asarray(params.temperature, dtype=np.float32)
     top_ps = np.asarray(params.top_p, dtype=np.float32)
     # q against the host build on the same logits: CUDA's exp may differ in the last bit, so
@@ -198,12 +195,7 @@ def test_cuda_graphs_capture_check_and_equal_eager(dtype: torch.dtype, family: s
             agree = (got.draft_ids == want.draft_ids).mean()
             assert agree == 1.0 if dtype == torch.float32 else agree >= 0.9
             if sampling is not None:
-                assert got.support_ids is not None and got.proposal_q is not None
-                top_k = np.asarray(params.top_k)
-                sampled.validate((top_k > 0).astype(np.uint8), got.support_ids, got.proposal_q,
-                                 got.draft_ids, np.ones(b, dtype=bool), config.vocab_size, top_k)
-                sampled.check_draws(top_k > 0, got.support_ids, got.proposal_q, got.draft_ids,
-                                    np.asarray(params.seed), params.generation, counts[pick])
+                check_sampled(got, params, counts[pick], config.vocab_size)
 
 
 def test_cuda_graph_step_has_no_host_sync() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from drafter_support import TINY, make_rows
+from drafter_support import TINY, check_sampled, make_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -115,11 +115,7 @@ def test_sampled_draft_q_and_draws(tiny: Drafter) -> None:
     top_ps = np.asarray(PARAMS.top_p, dtype=np.float32)
     seeds = np.asarray(PARAMS.seed, dtype=np.uint64)
     gens = np.asarray(PARAMS.generation, dtype=np.uint64)
-    # the contract's own checks of a sampled reply (9.2, 9.3)
-    sampled.validate((top_k > 0).astype(np.uint8), out.support_ids, out.proposal_q,
-                     out.draft_ids, np.ones(4, dtype=bool), TINY.vocab_size, top_k)
-    sampled.check_draws(top_k > 0, out.support_ids, out.proposal_q, out.draft_ids,
-                        np.array(PARAMS.seed, dtype=np.uint64), PARAMS.generation, ANCHORS)
+    check_sampled(out, PARAMS, ANCHORS, TINY.vocab_size)  # the contract's checks (9.2, 9.3)
     for i in range(4):
         for j in range(n):
             z = out.logits[i, j]

@@ -28,6 +28,7 @@ from drafter_support import (
     assert_same,
     bf16_taps,
     check_bf16_many_lanes,
+    check_sampled,
     params,
     refuse_host_reads,
 )
@@ -51,7 +52,6 @@ from dspark_worker.drafter import (
     save_checkpoint,
 )
 from dspark_worker.drafter.step import StaticStep
-from protocol import sampled
 from protocol.identity import identities_from_checkpoint
 
 DATA = Path(__file__).resolve().parent / "data" / "speculators_tiny"
@@ -413,12 +413,8 @@ def test_sampled_drafts_satisfy_the_contract(drafters: dict[str, Drafter], name:
                         generation=[0, 3, 0, 9])
     tokens = [5, 299, 7, 150]
     out = d.draft(pool, lanes, counts, tokens, sampling=sp)
+    check_sampled(out, sp, counts, d.vocab_size)
     assert out.support_ids is not None and out.proposal_q is not None
-    top_k = np.asarray(sp.top_k)
-    sampled.validate((top_k > 0).astype(np.uint8), out.support_ids, out.proposal_q,
-                     out.draft_ids, np.ones(4, dtype=bool), d.vocab_size, top_k)
-    sampled.check_draws(top_k > 0, out.support_ids, out.proposal_q, out.draft_ids,
-                        np.array(sp.seed, dtype=np.uint64), sp.generation, counts)
     live = out.proposal_q > 0
     assert in_draft[out.support_ids[live]].all()
     assert in_draft[out.draft_ids].all()
@@ -787,12 +783,7 @@ def test_cuda_fp32_vectors_bf16_tolerance_and_sampled(cases: list[dict[str, Any]
                                 top_p=[0.0, 0.9, 0.0, 0.6], seed=[1, 2, 3, 4],
                                 generation=[0, 5, 0, 1])
             out = gpu.draft(pool, lanes, anchors, [3, 4, 5, 6], sampling=sp)
-            assert out.support_ids is not None and out.proposal_q is not None
-            top_k = np.asarray(sp.top_k)
-            sampled.validate((top_k > 0).astype(np.uint8), out.support_ids, out.proposal_q,
-                             out.draft_ids, np.ones(4, dtype=bool), gpu.vocab_size, top_k)
-            sampled.check_draws(top_k > 0, out.support_ids, out.proposal_q, out.draft_ids,
-                                np.array(sp.seed, dtype=np.uint64), sp.generation, anchors)
+            check_sampled(out, sp, anchors, gpu.vocab_size)
 
 
 def test_other_speculators_formats_are_refused_by_name() -> None:
@@ -862,12 +853,8 @@ def test_static_step_serves_the_vectors(drafters: dict[str, Drafter],
         sp = params(b, 11 + b)
         got, want = static_and_eager(s, pool, lanes[:b], anchors[:b], tokens[:b], sampling=sp)
         assert_same(got, want, exact=b == 4)
+        check_sampled(got, sp, anchors[:b], d.vocab_size)
         assert got.support_ids is not None and got.proposal_q is not None
-        top_k = np.asarray(sp.top_k)
-        sampled.validate((top_k > 0).astype(np.uint8), got.support_ids, got.proposal_q,
-                         got.draft_ids, np.ones(b, dtype=bool), d.vocab_size, top_k)
-        sampled.check_draws(top_k > 0, got.support_ids, got.proposal_q, got.draft_ids,
-                            np.asarray(sp.seed), sp.generation, anchors[:b])
         assert in_target_vocabulary(d, got.support_ids[got.proposal_q > 0])
         assert in_target_vocabulary(d, got.draft_ids)
 
