@@ -1049,12 +1049,12 @@ class RemoteDraftClient:
             raise ValueError(f"rows hold {have} bytes, the STEP needs {nbytes}")
         at = None if isinstance(rows, list) else region.offset_of(rows)
         if at is None or at % ROWS_ALIGN:
-            at = 0
+            filled = 0  # bytes copied to the region's start so far
             for part in rows if isinstance(rows, list) else (rows,):
                 src = (part.reshape(-1).view(np.uint8) if isinstance(part, np.ndarray)
                        else np.frombuffer(memoryview(part).cast("B"), np.uint8))
-                region.array[at:at + len(src)] = src
-                at += len(src)
+                region.array[filled:filled + len(src)] = src
+                filled += len(src)
             self.stats.inc("shm_rows_copied")
             at = 0
         return at
