@@ -951,9 +951,9 @@ class DraftRounds:
         if not rel.size:
             return _NO_ENTRIES
         rel = rel.reshape(-1)
-        bad = np.zeros(len(rel), bool) if rel.dtype.kind in "iu" else np.ones(len(rel), bool)
-        if rel.dtype.kind in "iu":
-            bad = (rel < 0) | (rel >= self.max_slots)
+        # Every value that is not an integer slot in range is refused (the first named).
+        bad = (rel < 0) | (rel >= self.max_slots) if rel.dtype.kind in "iu" else \
+            np.ones(len(rel), bool)
         if bad.any():
             raise ValueError(f"slot {_py(rel[int(np.flatnonzero(bad)[0])])!r} outside"
                              f" [0, {self.max_slots})")
