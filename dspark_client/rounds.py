@@ -355,18 +355,25 @@ class DraftRounds:
             ints = np.asarray((slots, gens, anchors, tokens, n_out))
             if ints.dtype == np.int64:
                 slots, gens, anchors, tokens, n_out = ints
-        rb = self.row_bytes
-        bad_rows = -1  # the first request whose rows are not uint8 [n, row_bytes]
-        flat = None
+        flat, counts, parts, bad_rows = self._request_rows(rows_in)
+        rnd = self._round(slots, gens, anchors, tokens, n_out, flat, counts, None,
+                          self._sampling_of(seeds, top_ks, temps, top_ps), bad_rows=bad_rows,
+                          rows_in=rows_in, parts=parts)
+        return self._run(rnd, release)
+
+    def _request_rows(self, rows_in: Sequence[Any]) -> tuple[
+            npt.NDArray[np.uint8] | None, Ints, list[npt.NDArray[np.uint8]] | None, int]:
+        """``run``'s requests' rows as the round takes them: (rows back to back, or None;
+        every request's row count; the requests' own arrays when the STEP sends them as they
+        are, else None; the first request whose rows are not uint8 [n, row_bytes], or -1)."""
         # Off a shared-memory region the STEP can send the requests' arrays as they are
         # (scatter-gather): no copy of the rows before the send.
         sendable = None if self._shm else self._sendable(rows_in)
         if sendable is not None:
-            parts, counts = sendable
-            rnd = self._round(slots, gens, anchors, tokens, n_out, None, counts, None,
-                              self._sampling_of(seeds, top_ks, temps, top_ps), parts=parts)
-            return self._run(rnd, release)
+            return None, sendable[1], sendable[0], -1
+        n, rb = len(rows_in), self.row_bytes
         parts = [r for r in rows_in if r is not None]
+        flat = None
         try:
             # Every part must be a uint8 [n, row_bytes] array: concatenate refuses other
             # widths, ranks and (casting "no") dtypes, isinstance other objects (the set of
@@ -389,22 +396,17 @@ class DraftRounds:
                 raise ValueError("rows of another width")
         except (TypeError, ValueError, IndexError, AttributeError):
             # Name the first offender (the checks of run_batch report it in request order).
-            flat, counts = None, np.zeros(n, np.int64)
+            counts = np.zeros(n, np.int64)
             for i, r in enumerate(rows_in):
                 if r is None:
                     continue
                 if not isinstance(r, np.ndarray) or r.dtype != np.uint8 or r.ndim != 2 or \
                         r.shape[1] != rb:
-                    bad_rows = i
-                    break
+                    counts[i:] = 0
+                    return None, counts, None, i
                 counts[i] = r.shape[0]
-            if bad_rows < 0:
-                raise
-            counts[bad_rows:] = 0
-        rnd = self._round(slots, gens, anchors, tokens, n_out, flat, counts, None,
-                          self._sampling_of(seeds, top_ks, temps, top_ps), bad_rows=bad_rows,
-                          rows_in=rows_in)
-        return self._run(rnd, release)
+            raise
+        return flat, counts, None, -1
 
     def _join(self, parts: list[Any], total: int) -> npt.NDArray[np.uint8]:
         """``run``'s row arrays back to back: into staging when they fit (the round reads them
