@@ -77,7 +77,8 @@ def run_endpoint(endpoint: str, ckpt: str, args: argparse.Namespace,
     as an engine's device-to-host copy could land them there (the region on unix+shm://)."""
     n, k, W = args.slots, args.rows, args.window
     hello = hello_from_checkpoint(ckpt, window=W, max_slots=n, sampled=args.sampled,
-                                  max_rows_per_step=n * W, client_name="bench-engine-round")
+                                  max_rows_per_step=n * W, client_name="bench-engine-round",
+                                  synthetic=True)  # made-up rows: kept out of acceptance
     client = RemoteDraftClient(RemoteConfig(endpoint=endpoint, timeout_ms=60_000), hello)
     try:
         if not client.wait_ready(30.0):

@@ -239,9 +239,10 @@ def worker_stats(ctx: Ctx, timeout: float | None = None) -> dict[str, Any]:
 
 
 def hello_from_stats(stats: dict[str, Any], *, sampled: bool, max_slots: int | None,
-                     client_name: str) -> wire.Hello:
+                     client_name: str, synthetic: bool = False) -> wire.Hello:
     """A Hello this worker accepts, from its STATS: geometry, identities and limits. No HELLO
-    is sent to learn them, so nothing is refused."""
+    is sent to learn them, so nothing is refused. ``synthetic``: the session's rows are made
+    up (``HF_SYNTHETIC``: the worker keeps it out of its acceptance figures)."""
     try:
         geo, limits = stats["geometry"], stats["limits"]
         n_taps, hidden = int(geo["n_taps"]), int(geo["hidden"])
@@ -254,7 +255,8 @@ def hello_from_stats(stats: dict[str, Any], *, sampled: bool, max_slots: int | N
             max_rows_per_step=rows, row_bytes=row_bytes, vocab_size=int(geo["vocab_size"]),
             n_taps=n_taps, hidden=hidden,
             drafter_identity=bytes.fromhex(stats["drafter_identity"]),
-            markov_identity=bytes.fromhex(stats["markov_identity"]), client_name=client_name)
+            markov_identity=bytes.fromhex(stats["markov_identity"]), client_name=client_name,
+            flags=wire.HF_SYNTHETIC if synthetic else 0)
     except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
         raise _worker_error(f"the worker's STATS lacks its geometry or identities ({exc!r}):"
                             " a worker older than this client?") from None
@@ -307,11 +309,11 @@ def busy_reason(stats: dict[str, Any], wanted_slots: int) -> str | None:
 
 
 def discover(ctx: Ctx, *, sampled: bool, max_slots: int | None = None,
-             client_name: str = "dspark-client") -> wire.Hello:
+             client_name: str = "dspark-client", synthetic: bool = False) -> wire.Hello:
     """A Hello the worker accepts and has room for, learnt from STATS (no refused HELLO)."""
     stats = worker_stats(ctx)
     hello = hello_from_stats(stats, sampled=sampled, max_slots=max_slots,
-                             client_name=client_name)
+                             client_name=client_name, synthetic=synthetic)
     why = busy_reason(stats, hello.max_slots)
     if why is not None:
         raise _worker_error(why)
@@ -419,6 +421,7 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
                      f" ({s.get('slots_in_use', '?')} in use), {s.get('sample_mode', '?')},"
                      f" idle {_duration(idle)}"
                      + (f", accepted length {mean:.2f}" if isinstance(mean, int | float) else "")
+                     + (", synthetic (not in acceptance)" if s.get("synthetic") else "")
                      + ("" if s.get("connected", True) else ", disconnected"))
     if len(sessions) > 8:
         lines.append(f"    ... and {len(sessions) - 8} more (--json lists them)")
@@ -426,7 +429,8 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
     ref = ", ".join(f"{k} {v}" for k, v in sorted(refusals.items())) or "none"
     lines.append(f"  totals: {totals.get('steps', 0)} steps, {totals.get('rows', 0)} rows,"
                  f" {totals.get('drafted_positions', 0)} drafted positions; refusals: {ref}")
-    lines.extend(_acceptance_lines(totals.get("acceptance")))
+    lines.extend(_acceptance_lines(totals.get("acceptance"),
+                                   sum(1 for s in sessions if s.get("synthetic"))))
     step = (st.get("latency_us") or {}).get("step") or {}
     if step.get("count"):
         lines.append(f"  step latency p50 {step.get('p50_us', 0) / 1e3:.2f} ms, p99"
@@ -441,16 +445,20 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
     return "\n".join(lines)
 
 
-def _acceptance_lines(acc: Any) -> list[str]:
-    """The worker's acceptance totals (STATS ``totals.acceptance``) in two lines."""
+def _acceptance_lines(acc: Any, synthetic: int = 0) -> list[str]:
+    """The worker's acceptance totals (STATS ``totals.acceptance``) in two lines, saying when
+    synthetic sessions (benchmarks) are left out of them."""
+    left_out = (f" ({synthetic} synthetic session{'s' * (synthetic != 1)} left out)"
+                if synthetic else "")
     if not isinstance(acc, dict) or not acc.get("rounds"):
-        return ["  acceptance: no judged draft blocks yet"] if isinstance(acc, dict) else []
+        return ([f"  acceptance: no judged draft blocks yet{left_out}"]
+                if isinstance(acc, dict) else [])
 
     def row(values: Any) -> str:
         return " ".join("-" if v is None else f"{v:.2f}" for v in values or [])
 
     return [f"  acceptance: {acc['rounds']} judged blocks, mean accepted length"
-            f" {acc.get('mean_accepted_length', 0):.2f} (bonus token incl.)",
+            f" {acc.get('mean_accepted_length', 0):.2f} (bonus token incl.){left_out}",
             f"    by position {row(acc.get('acceptance_by_position'))}; predicted"
             f" {row(acc.get('predicted_acceptance_by_position'))}"]
 
@@ -537,8 +545,9 @@ def _percentiles_ms(values_us: Sequence[float]) -> dict[str, float]:
 
 
 def cmd_bench(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
+    # Its rows and tokens are made up: the worker keeps its drafts out of acceptance figures.
     hello = discover(ctx, sampled=args.sampled, max_slots=args.batch,
-                     client_name=f"dspark-bench-{os.getpid()}")
+                     client_name=f"dspark-bench-{os.getpid()}", synthetic=True)
     if hello.max_slots < args.batch:
         raise CliError(f"--batch {args.batch} is over the worker's max_slots"
                        f" {hello.max_slots}", EXIT_USAGE)

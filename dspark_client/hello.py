@@ -106,7 +106,7 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
                           max_rows_per_step: int | None = None, sampled: bool = False,
                           client_name: str = "", target_checkpoint: str | Path | None = None,
                           target_hidden_size: int | None = None,
-                          draft_topk: int | None = None) -> wire.Hello:
+                          draft_topk: int | None = None, synthetic: bool = False) -> wire.Hello:
     """A Hello for the drafter in ``checkpoint``.
 
     window / max_slots: what the engine will use (the worker must serve this W and at least
@@ -116,7 +116,9 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
     lacks them (they enter the identity). target_hidden_size: the target's hidden size when the
     drafter's config does not name it (``target_hidden_size``, else its ``hidden_size``).
     draft_topk: the candidate walk the worker runs (vLLM's ``dspark_draft_topk``; None: the
-    checkpoint config's, else none); it enters the Markov identity (6.4)."""
+    checkpoint config's, else none); it enters the Markov identity (6.4). synthetic: the rows
+    will be made up (a benchmark): the HELLO says so (``HF_SYNTHETIC``) and the worker keeps the
+    session out of its acceptance figures."""
     path = Path(checkpoint)
     cfg, cfg_path = _read_config(path)
     num_spec, vocab, taps, config_hidden = _geometry(cfg, cfg_path)
@@ -134,4 +136,4 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
                       num_spec=num_spec, max_slots=max_slots, max_rows_per_step=rows,
                       row_bytes=n_taps * hidden * 2, vocab_size=vocab, n_taps=n_taps,
                       hidden=hidden, drafter_identity=drafter_id, markov_identity=markov_id,
-                      client_name=client_name)
+                      client_name=client_name, flags=wire.HF_SYNTHETIC if synthetic else 0)

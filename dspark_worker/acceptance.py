@@ -4,7 +4,9 @@
 Fed once per answered STEP (``Dispatcher.complete``), in the session's order; a session's
 chains go when the session does. Totals over every session are exported as Prometheus families
 read at scrape time (``dspark_worker_acceptance_*``, label ``position`` 0..N-1, bounded), and
-per session in STATS (client names are unbounded: no labels for them).
+per session in STATS (client names are unbounded: no labels for them). A synthetic session
+(``HF_SYNTHETIC``: a benchmark's made-up rows) is judged for its own STATS entry only, never
+added to the worker's totals.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class WorkerAcceptance:
             return
         acc = self._by_session.get(s)
         if acc is None:
-            acc = self._by_session[s] = Acceptance(s.max_slots, self.num_spec, (self._totals,))
+            also = () if s.synthetic else (self._totals,)
+            acc = self._by_session[s] = Acceptance(s.max_slots, self.num_spec, also)
         plan, reply, idx = item.plan, item.reply, item.drafting
         drafted = confidence = None
         if idx.size and reply is not None:
@@ -66,7 +69,7 @@ class WorkerAcceptance:
         with self._lock:
             acc = self._by_session.pop(session, None)
             if acc is not None:
-                acc.flush()  # its judged blocks stay in the worker's totals
+                acc.flush()  # its judged blocks stay in the worker's totals (if it adds to them)
 
     def totals(self) -> AcceptanceTotals:
         """A copy of the worker's totals, complete (every session's waiting confidences are

@@ -38,7 +38,7 @@ go only to its own connection)::
                  "shed_queue_steps"},
       "threads": int, "connections": int, "queue_steps": int,
       "sessions": [{"label": str, "session": int (own only), "client_name": str (own only),
-                    "sample_mode": "greedy" | "top32",
+                    "sample_mode": "greedy" | "top32", "synthetic": bool,
                     "max_slots": int, "slots_in_use": int, "connected": bool,
                     "age_s": float, "idle_s": float, "steps": int, "rows": int,
                     "drafted_positions": int, "acceptance": ACCEPTANCE}],
@@ -57,7 +57,8 @@ go only to its own connection)::
     }
 
 ACCEPTANCE is ``protocol.acceptance.AcceptanceTotals.summary()`` over the draft blocks the
-next STEP judged (docs/operations.md, "Acceptance"): ``rounds``, ``accepted_drafts``,
+next STEP judged (docs/operations.md, "Acceptance"; the totals leave out synthetic sessions,
+``HF_SYNTHETIC``, whose own entries still show theirs): ``rounds``, ``accepted_drafts``,
 ``mean_accepted_drafts`` and ``mean_accepted_length`` (the bonus token included; null before
 the first block), and N-long lists ``drafted_by_position``, ``accepted_by_position``,
 ``predicted_by_position``, ``acceptance_by_position`` and ``predicted_acceptance_by_position``
@@ -471,9 +472,10 @@ class Dispatcher:
         conn.session_id = s.session_id
         if result.outcome is not Outcome.RESUMED:
             self.runner.submit(LaneOp("allocate", s))
-        log.info("session %#010x %s: client %r from %s, %d slots, %s, seq %d, label %s",
+        log.info("session %#010x %s: client %r from %s, %d slots, %s%s, seq %d, label %s",
                  s.session_id, result.outcome.value, s.client_name, conn.peer, s.max_slots,
-                 SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"), h.seq,
+                 SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"),
+                 ", synthetic (kept out of acceptance)" if s.synthetic else "", h.seq,
                  self.session_label(s.session_id))
         resumed = result.outcome is Outcome.RESUMED
         # CAP_SHM_ROWS only where a region can work: a Unix connection to a worker with a limit.
@@ -757,6 +759,7 @@ class Dispatcher:
                 entry["client_name"] = s.client_name
             entry.update({
                 "sample_mode": SAMPLE_MODE_NAMES.get(s.hello.sample_mode, "?"),
+                "synthetic": s.synthetic,
                 "max_slots": s.max_slots, "slots_in_use": s.n_live,
                 "connected": self.connected(s.conn_id),
                 "age_s": round(now - s.created_at, 3), "idle_s": round(now - s.last_active, 3),

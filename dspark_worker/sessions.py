@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from protocol.constants import (
+    HF_SYNTHETIC,
     REQ_ENTRY_SIZE,
     RF_NEED_DRAFT,
     RF_RELEASE,
@@ -91,6 +92,7 @@ class Session:
         "sampled",
         "session_id",
         "steps",
+        "synthetic",
     )
 
     def __init__(self, session_id: int, hello: Hello, conn_id: int, seq: int,
@@ -104,6 +106,7 @@ class Session:
         self.last_active = now
         self.max_slots = hello.max_slots
         self.sampled = hello.sample_mode == SAMPLE_TOP32
+        self.synthetic = bool(hello.flags & HF_SYNTHETIC)  # kept out of acceptance figures
         self.generation = np.zeros(self.max_slots, dtype=np.uint32)  # [max_slots]
         self.live = np.zeros(self.max_slots, dtype=bool)  # [max_slots] a generation is known
         self.n_live = 0

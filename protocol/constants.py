@@ -77,6 +77,10 @@ CAP_TOP32: Final = 2
 CAP_MARGIN: Final = 4
 CAP_SHM_ROWS: Final = 8  # section 13: STEP rows may come from a shared-memory region
 KNOWN_CAPABILITIES: Final = CAP_TAPS_BF16 | CAP_TOP32 | CAP_MARGIN | CAP_SHM_ROWS
+# Hello flags (the u16 at offset 26). HF_SYNTHETIC: the session's rows and tokens are made up
+# (a benchmark, a load test): the worker keeps its drafts out of every acceptance figure.
+HF_SYNTHETIC: Final = 1
+KNOWN_HELLO_FLAGS: Final = HF_SYNTHETIC
 NAME_BYTES: Final = 32  # client_name / worker_name: UTF-8, NUL padded
 IDENTITY_BYTES: Final = 32  # SHA-256
 AUTH_TAG_BYTES: Final = 32  # HMAC-SHA256

@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from .constants import (
     IDENTITY_BYTES,
+    KNOWN_HELLO_FLAGS,
     KNOWN_REPLY_FLAGS,
     MAX_TOP_K,
     NAME_BYTES,
@@ -40,7 +41,7 @@ Buffer = bytes | bytearray | memoryview
 
 # -- HELLO (6.1) ----------------------------------------------------------------------------------
 # version sample_mode tap_dtype window num_spec max_slots max_rows_per_step row_bytes vocab_size
-# n_taps reserved hidden drafter_identity markov_identity client_name auth_tag
+# n_taps flags hidden drafter_identity markov_identity client_name auth_tag
 HELLO_STRUCT: Final = struct.Struct("<HBBHHIIIIHHI32s32s32s32s")
 # version capabilities window num_spec max_slots max_rows_per_step row_bytes vocab_size
 # drafter_identity markov_identity worker_name resumed (1 reserved) n_taps hidden
@@ -76,6 +77,13 @@ def _check_blob(value: bytes, field: str, size: int) -> None:
                             field=field, value=len(value), limit=size)
 
 
+def _check_hello_flags(flags: int) -> None:
+    if flags & ~KNOWN_HELLO_FLAGS:
+        raise BadFrameError(f"HELLO flags {flags:#06x} hold bits this contract does not define"
+                            f" (known: {KNOWN_HELLO_FLAGS:#06x})", field="flags", value=flags,
+                            limit=KNOWN_HELLO_FLAGS)
+
+
 def _body_size(body: Buffer, what: str, size: int) -> None:
     if len(body) != size:
         raise BadFrameError(f"{what} body is {len(body)} bytes, not {size}",
@@ -100,16 +108,18 @@ class Hello(msgspec.Struct, frozen=True):
     auth_tag: bytes = bytes(32)
     tap_dtype: int = 1
     version: int = VERSION
+    flags: int = 0  # HF_* bits
 
     def pack(self) -> bytes:
         _check_blob(self.drafter_identity, "drafter_identity", IDENTITY_BYTES)
         _check_blob(self.markov_identity, "markov_identity", IDENTITY_BYTES)
         _check_blob(self.auth_tag, "auth_tag", 32)
+        _check_hello_flags(self.flags)
         try:
             return HELLO_STRUCT.pack(
                 self.version, self.sample_mode, self.tap_dtype, self.window, self.num_spec,
                 self.max_slots, self.max_rows_per_step, self.row_bytes, self.vocab_size,
-                self.n_taps, 0, self.hidden, self.drafter_identity, self.markov_identity,
+                self.n_taps, self.flags, self.hidden, self.drafter_identity, self.markov_identity,
                 _encode_name(self.client_name, "client_name"), self.auth_tag,
             )
         except struct.error as exc:
@@ -119,17 +129,15 @@ class Hello(msgspec.Struct, frozen=True):
     def unpack(cls, body: Buffer) -> Hello:
         _body_size(body, "HELLO", HELLO_STRUCT.size)
         (version, sample_mode, tap_dtype, window, num_spec, max_slots, max_rows_per_step,
-         row_bytes, vocab_size, n_taps, reserved, hidden, drafter_identity, markov_identity,
+         row_bytes, vocab_size, n_taps, flags, hidden, drafter_identity, markov_identity,
          client_name, auth_tag) = HELLO_STRUCT.unpack_from(body)
-        if reserved:
-            raise BadFrameError(f"HELLO reserved field is {reserved}, not 0",
-                                field="reserved", value=reserved, limit=0)
+        _check_hello_flags(flags)
         return cls(
             version=version, sample_mode=sample_mode, tap_dtype=tap_dtype, window=window,
             num_spec=num_spec, max_slots=max_slots, max_rows_per_step=max_rows_per_step,
             row_bytes=row_bytes, vocab_size=vocab_size, n_taps=n_taps, hidden=hidden,
             drafter_identity=drafter_identity, markov_identity=markov_identity,
-            client_name=_decode_name(client_name, "client_name"), auth_tag=auth_tag,
+            client_name=_decode_name(client_name, "client_name"), auth_tag=auth_tag, flags=flags,
         )
 
     def without_auth(self) -> Hello:

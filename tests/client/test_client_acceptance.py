@@ -6,6 +6,8 @@ reconnect, a new generation, a release and a slot left out of a round count noth
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -252,3 +254,57 @@ def test_a_chain_is_judged_only_by_the_slots_very_next_step() -> None:
         acc.record_verified([4], [1])
     step([0, 1, 9], [21, 23, 5], gen=3)  # slot 9 is past max_slots: left out, no error
     assert t.rounds == 11
+
+
+def test_a_bench_beside_an_engine_leaves_the_workers_acceptance_as_it_was(
+        worker: WorkerProcess) -> None:
+    """``dspark-client bench`` (a real CLI process) drafts beside a known engine: its HELLO says
+    HF_SYNTHETIC, so not one of its blocks enters the worker's acceptance figures (/metrics and
+    STATS totals), while the engine's keep counting. Without the flag the bench's rounds (each
+    accepting ``--accept`` drafts) would be judged blocks like the engine's."""
+    assert worker.endpoint is not None
+    hello = dc.hello_from_checkpoint(DRAFTER, window=64, max_slots=2, client_name="beside-bench",
+                                     max_rows_per_step=256)
+    n = hello.num_spec
+    client = dc.RemoteDraftClient(dc.RemoteConfig(endpoint=worker.endpoint, timeout_ms=10_000,
+                                                  backoff_ms=10), hello)
+    q = "dspark_worker_acceptance_"
+
+    def figures() -> tuple[float, list[float], list[float], dict[str, Any]]:
+        m = scrape_worker(worker)
+        status, body = client.simple_request(wire.OP_STATS)
+        assert status == wire.ST_OK
+        return (value(m, q + "rounds_total"), by_position(m, q + "accepted_total", n),
+                by_position(m, q + "drafted_total", n), json.loads(body))
+
+    try:
+        assert client.wait_ready(30.0), client.last_error
+        eng = KnownEngine(dc.DraftRounds(client), hello.row_bytes, n)
+        eng.admit(0, 12)
+        eng.run([0])
+        for a in (1, 2, 0):
+            eng.accept(0, min(a, eng.k[0]))
+            eng.run([0])
+        rounds0, accepted0, drafted0, stats0 = figures()
+        steps0 = stats0["totals"]["steps"]
+        bench = subprocess.run(
+            [sys.executable, "-m", "dspark_client.cli", "--endpoint", worker.endpoint,
+             "bench", "--batch", "2", "--steps", "12", "--warmup", "1", "--accept", "2",
+             "--no-progress"], capture_output=True, text=True, timeout=120)
+        assert bench.returncode == 0, bench.stderr
+        rounds1, accepted1, drafted1, stats1 = figures()
+        # The bench ran here (13 STEPs of its own) and counted nowhere.
+        assert stats1["totals"]["steps"] - steps0 >= 13
+        assert (rounds1, accepted1, drafted1) == (rounds0, accepted0, drafted0)
+        assert stats1["totals"]["acceptance"] == stats0["totals"]["acceptance"]
+        assert "synthetic (kept out of acceptance)" in worker.log_text()
+        # The engine's next judged block still counts, on both.
+        eng.accept(0, min(1, eng.k[0]))
+        eng.run([0])
+        rounds2, accepted2, _, stats2 = figures()
+    finally:
+        client.close()
+    assert rounds2 == rounds0 + 1
+    assert accepted2[0] == accepted0[0] + 1 and accepted2[1:] == accepted0[1:]
+    (mine,) = [e for e in stats2["sessions"] if e.get("session") == client.session]
+    assert mine["synthetic"] is False and mine["acceptance"]["rounds"] == 4

@@ -431,3 +431,9 @@ def test_stats_summary_shows_acceptance() -> None:
     assert "by position 0.75 0.50 0.00; predicted 0.80 0.40 0.25" in text
     (line,) = [x for x in text.splitlines() if x.strip().startswith("session abc")]
     assert line.endswith(", accepted length 2.25")
+    st["sessions"].append({"label": "b3nch", "max_slots": 2, "synthetic": True,
+                           "acceptance": acc})
+    text = stats_summary(st, "tcp://w:1")
+    assert "(bonus token incl.) (1 synthetic session left out)" in text
+    (line,) = [x for x in text.splitlines() if x.strip().startswith("session b3nch")]
+    assert line.endswith(", accepted length 2.25, synthetic (not in acceptance)")

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
-from protocol import sampled
+from protocol import sampled, wire
 from protocol.errors import BadFrameError
 from protocol.framing import Frame, FrameDecoder, frame, split_frame
 from protocol.header import AppHeader
@@ -64,7 +65,7 @@ HELLO = h(
     "60000000"  # 16 row_bytes 96 = 3 taps * 16 hidden * 2
     "e8030000"  # 20 vocab_size 1000
     "0300"  # 24 n_taps 3
-    "0000"  # 26 reserved
+    "0000"  # 26 flags 0
     "10000000"  # 28 hidden 16
     + IDENT_HEX  # 32 drafter_identity
     + MARKOV_HEX  # 64 markov_identity
@@ -449,3 +450,18 @@ def test_step_prefix_in_front_of_staged_rows() -> None:
     AppHeader(op=2, seq=2, session=SESSION, body_len=ro + 12).pack_into(buf, 0)
     assert bytes(buf).hex() == STEP.hex()
     assert (24 + ro) % 8 == 0  # the rows start 8-byte aligned in the frame
+
+
+def test_hello_flags_at_offset_26() -> None:
+    """HF_SYNTHETIC travels in the u16 at offset 26 (6.1); a bit the contract does not define
+    is refused both ways, naming the field."""
+    body = HELLO[24:]
+    synthetic = Hello.unpack(body[:26] + b"\x01\x00" + body[28:])
+    assert synthetic.flags == wire.HF_SYNTHETIC
+    assert synthetic.pack() == body[:26] + b"\x01\x00" + body[28:]
+    assert Hello.unpack(body).flags == 0
+    with pytest.raises(BadFrameError, match="flags 0x0002") as info:
+        Hello.unpack(body[:26] + b"\x02\x00" + body[28:])
+    assert info.value.field == "flags" and info.value.value == 2
+    with pytest.raises(BadFrameError, match="flags 0x8001"):
+        msgspec.structs.replace(synthetic, flags=0x8001).pack()
