@@ -60,7 +60,7 @@ def run(target: TargetModel, window: int, prompts: list[list[int]], new_tokens: 
                                                 connect_timeout_ms=30_000), hello)
         try:
             if not client.wait_ready(60):
-                raise SystemExit(f"no session: {client.disabled_reason or client.last_error}")
+                raise SystemExit(f"no session: {client.last_error}")
             dec = SpeculativeDecoder(target, RemoteDrafts(DraftRounds(client)), depth=depth,
                                      max_len=FULL + 64, stop_at_eos=False)
             dec.generate(prompts, new_tokens)

@@ -266,7 +266,7 @@ class RemoteDraftClient:
         self.epoch = 0  # accepted HELLOs so far
         self.disabled_reason: str | None = None
         self.worker_info: wire.HelloReply | None = None
-        self.last_error: str | None = None
+        self._last_error: str | None = None
         self.last_refusal: int | None = None  # frame status of the last non-fatal HELLO refusal
         # The worker set and where in it to be; only the connect thread touches these (the
         # engine thread hands a drained endpoint over through _drained).
@@ -336,6 +336,20 @@ class RemoteDraftClient:
     @property
     def disabled(self) -> bool:
         return self.disabled_reason is not None
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the client is not drafting, or last failed to: once disabled, the reason it was
+        disabled (a refused HELLO, a reply that does not match, a fork: ``disabled_reason``),
+        else the latest failure (a connect, a retryable refusal such as BUSY, a lost
+        session, a draining worker); None before any."""
+        if self.disabled_reason is not None:
+            return f"remote drafting disabled: {self.disabled_reason}"
+        return self._last_error
+
+    @last_error.setter
+    def last_error(self, reason: str | None) -> None:
+        self._last_error = reason
 
     @property
     def endpoint(self) -> str:

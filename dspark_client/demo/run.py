@@ -121,7 +121,7 @@ def run_demo(hello_for: Any, args: Any, out: TextIO, *, endpoint: str | None = N
                                                 connect_timeout_ms=5000), hello)
         stack.callback(client.close)  # GOODBYE: the worker frees the slots at once
         if not client.wait_ready(30.0):
-            out.write(f"no session with the worker: {client.disabled_reason or client.last_error}"
+            out.write(f"no session with the worker: {client.last_error}"
                       "\n")
             return 1
         source = RemoteDrafts(DraftRounds(client))

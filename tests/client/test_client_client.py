@@ -99,6 +99,8 @@ def test_hello_identity_refusal_disables_with_both_identities() -> None:
         assert c.disabled and c.disabled_reason is not None
         assert "HELLO refused: IDENTITY" in c.disabled_reason
         assert "aaaaaaaa" in c.disabled_reason and "00010203" in c.disabled_reason
+        # last_error, where an engine looks first, says the same.
+        assert c.last_error == f"remote drafting disabled: {c.disabled_reason}"
         assert c.step(bytearray(256), [], 0, 1).reason == "disabled"
         thread = c._thread
         assert thread is not None and wait_for(lambda: not thread.is_alive())

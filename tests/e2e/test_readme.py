@@ -84,3 +84,19 @@ def test_demo_sampled_and_batched(worker: WorkerProcess) -> None:
     assert proc.stdout.count("\u00ab") == proc.stdout.count("\u00bb") >= 2
     rounds = re.search(r"rounds \(failed\)\s+(\d+) \((\d+)\)", proc.stdout)
     assert rounds is not None and int(rounds.group(1)) > 0 and rounds.group(2) == "0"
+
+
+def test_engine_example_says_why_a_worker_refused_it() -> None:
+    """The README's speculators command serves W 2048 where its engine example asks for 1024:
+    the example exits naming the refusal and both windows (``last_error`` holds the reason
+    whatever disabled the client), not a bare "None"."""
+    (code,) = blocks("python", "How an engine uses the client")
+    with start_worker("--max-slots", "8", "--max-total-slots", "8", "--device", "cpu",
+                      "--window", "2048") as other:
+        proc = subprocess.run([sys.executable, "-c", code], env=env_for(other),
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr[-2000:])
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"remote drafting unavailable at {other.endpoint}: remote drafting"
+                           " disabled: HELLO refused: GEOMETRY"), last
+    assert "1024" in last and "2048" in last, last
