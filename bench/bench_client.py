@@ -310,7 +310,11 @@ def bench_acceptance(n: int, seconds: float) -> dict[str, Any]:
 
     def one() -> None:
         move()
-        acc.step_answered(sent, drafted, conf)
+        if hasattr(acc, "step_sent"):  # judged in the round trip, drafts kept after the reply
+            acc.step_sent(sent)
+            acc.reply_in(drafted, conf)
+        else:  # older revisions: one call after the reply
+            acc.step_answered(sent, drafted, conf)
 
     res = timeit(one, seconds)
     base = timeit(move, seconds / 2)

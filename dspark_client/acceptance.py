@@ -1,8 +1,9 @@
 """Draft acceptance on the engine's side: what the STEPs this client sends say about the
 drafts it received (``protocol.acceptance``; docs/operations.md, "Acceptance").
 
-``RemoteDraftClient.step`` feeds every STEP the worker answered, so engines that drive
-``step()`` themselves are counted as well as ``DraftRounds``. An engine may also say how many
+``RemoteDraftClient.step`` feeds every STEP it sends (judged while the reply is on its way)
+and the drafts of every reply that passed its checks, so engines that drive ``step()``
+themselves are counted as well as ``DraftRounds``. An engine may also say how many
 drafts of each slot's block it verified (its depth policy): ``record_verified``. The totals
 are families of ``dspark_client.metrics`` (``dspark_client_acceptance_*``, label ``position``).
 """
@@ -32,12 +33,18 @@ class ClientAcceptance:
         self._acc = Acceptance(max_slots, num_spec)
         self._lock = threading.Lock()
 
-    def step_answered(self, sent: npt.NDArray[Any], drafted: npt.NDArray[np.int64] | None,
-                      confidence: npt.NDArray[np.float32] | None) -> None:
-        """A STEP the worker answered: ``sent`` its entries (ENTRY_DTYPE, as packed);
-        ``drafted`` and ``confidence`` those of a reply that passed every check, else None."""
+    def step_sent(self, sent: npt.NDArray[Any]) -> None:
+        """A STEP is on its way: ``sent`` its entries (ENTRY_DTYPE, as packed). Judges the
+        blocks they resolve (``Acceptance.judge``); ``step()`` runs it in the round trip."""
         with self._lock:
-            self._acc.observe(sent, drafted, confidence)
+            self._acc.judge(sent)
+
+    def reply_in(self, drafted: npt.NDArray[np.int64] | None,
+                 confidence: npt.NDArray[np.float32] | None) -> None:
+        """The reply to the STEP last sent passed every check: its drafts and confidences
+        (``Acceptance.keep``). Not called for a STEP without one."""
+        with self._lock:
+            self._acc.keep(drafted, confidence)
 
     def record_verified(self, slots: npt.ArrayLike, counts: npt.ArrayLike) -> None:
         with self._lock:

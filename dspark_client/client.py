@@ -135,7 +135,8 @@ class StepOutcome:
 class _Ahead:
     """What the reply's checks need of the request alone, for one STEP: the 6.3 side
     (``protocol.validate.ValuesAhead``) and, on a sampled session, the draws' side
-    (``protocol.sampled.ReplyCheck``: every position's u). Made when called: the transport
+    (``protocol.sampled.ReplyCheck``: every position's u); and the acceptance the STEP's
+    entries show (``ClientAcceptance.step_sent``). Made when called: the transport
     calls it once the STEP is sent, while the reply is on its way. Should that fail or not
     happen, the checks make their parts when the reply is in (raising there)."""
 
@@ -149,6 +150,8 @@ class _Ahead:
         self.asked: np.ndarray | None = None
 
     def __call__(self) -> None:
+        # The STEP's entries judge the blocks of the rounds before (they need no reply).
+        self.client.acceptance.step_sent(self.sent)
         try:
             self.values = ValuesAhead(self.sent, self.client.hello.num_spec,
                                       self.client.hello.window)
@@ -1032,13 +1035,12 @@ class RemoteDraftClient:
             rtt_us = (time.perf_counter() - t0) * 1e6
             out = self._check_step_reply(size, seq, session, step_id, entries, sent, rtt_us,
                                          body_len, ahead)
-            self.acceptance.step_answered(sent, out.drafted, out.reply.confidence
-                                          if out.ok and out.reply is not None else None)
             counts: dict[str, float] = {"steps": 1, "bytes_sent": wire.APP_HEADER_SIZE + body_len,
                                         "bytes_received": size}
             if shm_at is not None:
                 counts["steps_shm"] = 1
             if out.ok and out.reply is not None:
+                self.acceptance.reply_in(out.drafted, out.reply.confidence)
                 if self._failing_replies:
                     self._failing_replies = 0
                     with self._lock:

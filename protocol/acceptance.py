@@ -11,10 +11,12 @@ chain, and the block counts nowhere: neither drafted nor accepted.
 
 ``Acceptance`` holds one session's chains and ``AcceptanceTotals`` what the judged blocks add
 up to. Both the worker (STEPs as applied) and the client (STEPs as sent) feed it;
-docs/operations.md ("Acceptance") says what each side measures. Numpy over a STEP's entries,
-no loop per slot; the usual STEP (the same slots in the same order as the one before, with no
-RESET or RELEASE) is judged against the previous STEP's columns as they are, without a gather
-per slot.
+docs/operations.md ("Acceptance") says what each side measures. A STEP costs its feeder a copy
+of its entries (and of its reply's drafted counts and confidences) into a log; the log is
+judged in one numpy pass over every entry of up to ``LOG_STEPS`` STEPs (sorted by slot, then
+STEP: an entry judges its slot's entry just before it) when it fills and whenever a reader
+asks, so the per-STEP cost is a few copies whatever the number of slots, and no loop runs per
+slot or per STEP.
 """
 
 from __future__ import annotations
@@ -119,46 +121,48 @@ class AcceptanceTotals:
 # is computed for all of them at once (a few ufunc calls over long rows instead of a few per
 # STEP): 16384 rows of N = 7 hold 448 KiB. ``flush`` computes it at once for a reader.
 PENDING_ROWS = 16384
+# STEPs wait in the log until this many (or LOG_ENTRIES entries, 304 KiB of them with their
+# confidences at N = 7), then are judged together: numpy's fixed cost per call, most of the
+# work for a STEP of a few entries, is paid once for all of them.
+LOG_STEPS = 64
+LOG_ENTRIES = 4096
 
 
-class _Last:
-    """The previous STEP's columns, in its entry order, not yet written to the per-slot
-    arrays: what the usual STEP is judged against directly."""
-
-    __slots__ = ("a1", "conf", "kp1", "sgb", "step", "verified")
-
-    def __init__(self, step: int, sgb: bytes, a1: npt.NDArray[np.uint32],
-                 kp1: npt.NDArray[np.uint32], conf: npt.NDArray[np.float32] | None) -> None:
-        self.step = step
-        self.sgb = sgb  # slot | generation << 32 per entry, as u64 bytes
-        self.a1 = a1  # anchor_pos + 1
-        self.kp1 = kp1  # k + 1 for a drafted block, 0 for none
-        self.conf = conf  # [n, N] the block's confidences (None: nothing drafted)
-        self.verified: npt.NDArray[np.int64] | None = None  # record_verified; -1: nothing
+def _plus_one(k: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
+    """k + 1 where a block was drafted (k > 0), 0 where not: the per-slot ``kp1`` form."""
+    return k + (k > 0).astype(np.uint32)
 
 
 class Acceptance:
     """One session's draft chains, judged as its STEPs come (see the module docstring).
 
-    ``observe`` takes every STEP of the session in order; ``also`` are further totals each
-    judged block is added to (the worker's over every session). ``totals.predicted`` is
-    complete after ``flush()``; the other totals always are."""
+    Each STEP is fed in order: ``judge(entries)`` when it is sent or applied, then
+    ``keep(drafted, confidence)`` when its reply is in (``observe`` does both). ``also`` are
+    further totals each judged block is added to (the worker's over every session).
+    ``totals`` judges the log when read; its ``predicted`` is complete after ``flush()``
+    (and so are the ``also`` totals)."""
 
-    __slots__ = ("_a1", "_conf", "_gen", "_kp1", "_last", "_pending", "_pending_rows",
-                 "_seen", "_steps", "_verified", "also", "num_spec", "totals")
+    __slots__ = ("_a1", "_conf", "_gen", "_kp1", "_log", "_log_entries", "_pending",
+                 "_pending_rows", "_seen", "_steps", "_tail", "_totals", "_verified", "also",
+                 "num_spec")
 
     def __init__(self, max_slots: int, num_spec: int,
                  also: tuple[AcceptanceTotals, ...] = ()) -> None:
         self.num_spec = num_spec
-        self.totals = AcceptanceTotals(num_spec)
+        self._totals = AcceptanceTotals(num_spec)
         self.also = also
-        self._steps = 0
-        self._last: _Last | None = None
+        self._steps = 0  # STEPs fed so far: the next one's index
+        # Per STEP not yet judged: [its entries' bytes, drafted k (None: no reply yet, or
+        # none), confidences [n, N], record_verified calls as (slots, counts)].
+        self._log: list[list[Any]] = []
+        self._log_entries = 0
+        # The newest STEP's slots once judged, while its reply may still come (None: came).
+        self._tail: npt.NDArray[np.intp] | None = None
         self._pending: list[npt.NDArray[np.float32]] = []  # judged blocks' confidences
         self._pending_rows = 0
-        # Per slot, the pending block as of the STEP before _last (written back when the slot
-        # set changes): k + 1 (0: none), anchor + 1, generation, the STEP that drafted it,
-        # what the engine said it verified (-1: nothing), the confidences [max_slots, N].
+        # Per slot, the pending block of the slot's newest judged entry: k + 1 (0: none),
+        # anchor + 1, generation, the STEP it came in, what the engine said it verified (-1:
+        # nothing), the confidences [max_slots, N].
         self._kp1 = np.zeros(max_slots, np.uint32)
         self._a1 = np.zeros(max_slots, np.uint32)
         self._gen = np.zeros(max_slots, np.uint32)
@@ -166,54 +170,166 @@ class Acceptance:
         self._verified = np.full(max_slots, -1, np.int64)
         self._conf = np.zeros((max_slots, num_spec), np.float32)
 
+    @property
+    def totals(self) -> AcceptanceTotals:
+        """This session's totals, the log judged first."""
+        self._judge_log()
+        return self._totals
+
     def observe(self, entries: npt.NDArray[Any], drafted: npt.NDArray[Any] | None,
                 confidence: npt.NDArray[Any] | None) -> None:
         """One STEP: its entries (``ENTRY_DTYPE`` records, as sent or received), the positions
         drafted for each (``drafted``, k of section 6.3; None: none) and the reply's
-        confidences ([n, N], 0 past k as 6.3 requires). Judges the blocks the STEP resolves,
-        then keeps its own drafts as the slots' pending blocks."""
-        step = self._steps
-        self._steps = step + 1
-        n = entries.shape[0]
-        if not n:
-            self._write_back()
+        confidences ([n, N], 0 past k as 6.3 requires): ``judge`` then ``keep``."""
+        self.judge(entries)
+        self.keep(drafted, confidence)
+
+    def judge(self, entries: npt.NDArray[Any]) -> None:
+        """A STEP, as sent or applied (a client feeds it while the reply is on its way): its
+        entries judge the blocks drafted before, and become the slots' newest, with no drafts
+        until ``keep``. The entries are copied: the caller may reuse their buffer."""
+        if len(self._log) >= LOG_STEPS or self._log_entries >= LOG_ENTRIES:
+            self._judge_log()  # every STEP logged so far is complete: this one is newer
+        self._log.append([entries.tobytes(), None, None, []])
+        self._log_entries += entries.shape[0]
+        self._steps += 1
+
+    def keep(self, drafted: npt.NDArray[Any] | None,
+             confidence: npt.NDArray[Any] | None) -> None:
+        """The drafts the reply to the STEP last judged carried (``observe``'s arguments; the
+        confidences are copied, a reply buffer is reused, the drafted counts are kept as
+        they are). Not called, or with None, for a STEP without a usable reply: its slots
+        then hold no pending block."""
+        if drafted is None or confidence is None or not len(drafted):
             return
-        w = entries.view(_U4).reshape(n, REQ_ENTRY_SIZE // 4)
-        sgb = w[:, :2].view(_U8).tobytes()  # slot | generation << 32: one word per entry
-        anchor = w[:, 2]
-        last = self._last
-        if (last is not None and last.step == step - 1 and last.sgb == sgb
-                and not int(np.bitwise_or.reduce(w[:, 5])) & _ENDS_CHAIN_WORD5):
-            # The usual STEP: every entry continues the entry at its place in the last one.
-            # accepted = anchor - (old anchor + 1), in u32: a negative one wraps above any
-            # k + 1, so one comparison says 0 <= accepted <= k (and k > 0).
-            accepted = anchor - last.a1
-            self._count(accepted, accepted < last.kp1, last.kp1, last.conf, last.verified)
-        else:
-            if int(w[:, 0].max()) >= self._kp1.size:
-                # Slots past max_slots (a STEP the worker refuses, 7.2 step 3): left out.
-                keep = w[:, 0] < self._kp1.size
-                self._steps = step
-                self.observe(entries[keep], None if drafted is None
-                             else np.asarray(drafted)[keep],
-                             None if confidence is None else confidence[keep])
-                return
-            self._write_back()
-            slots = w[:, 0].astype(np.intp)
-            kp1 = self._kp1[slots]
-            accepted = anchor - self._a1[slots]
-            judged = ((accepted < kp1) & (self._seen[slots] == step - 1)
-                      & (self._gen[slots] == w[:, 1]) & ((w[:, 5] & _ENDS_CHAIN_WORD5) == 0))
-            self._count(accepted, judged, kp1, self._conf[slots], self._verified[slots])
-        if drafted is None or confidence is None:
-            kp1_new, conf = np.zeros(n, np.uint32), None
-        else:
-            kp1_new = np.asarray(drafted).astype(np.uint32)
-            kp1_new += kp1_new > 0  # k + 1 where drafted, 0 where not
-            conf = np.array(confidence, dtype=np.float32)  # the reply's buffer is reused
-        self._last = _Last(step, sgb, anchor + np.uint32(1), kp1_new, conf)
+        k = np.asarray(drafted)
+        conf = confidence.astype(np.float32)  # a copy
+        if self._log:
+            self._log[-1][1:3] = k, conf
+        elif self._tail is not None and self._tail.size == k.size:
+            # A reader judged the log between this STEP and its reply: the STEP's entries
+            # are the slots' newest, so the drafts go straight to the per-slot state.
+            inside = self._tail < self._kp1.size
+            slots = self._tail[inside]
+            self._kp1[slots] = _plus_one(k[inside].astype(np.uint32))
+            self._conf[slots] = conf[inside]
+            self._tail = None
 
     def flush(self) -> None:
+        """Judge the log, and add the prefix survival of every judged block still waiting to
+        ``predicted``: the totals are then complete."""
+        self._judge_log()
+        self._sum_pending()
+
+    def record_verified(self, slots: npt.ArrayLike, counts: npt.ArrayLike) -> None:
+        """The engine verified ``counts[i]`` drafts of slot ``slots[i]``'s block of the last
+        STEP (its depth policy may verify fewer than were drafted). Counted when the block is
+        judged; a count above the drafts the block has is taken as all of them; a slot the
+        last STEP did not draft for is ignored."""
+        s = np.asarray(slots, dtype=np.intp).reshape(-1)
+        c = np.asarray(counts, dtype=np.int64).reshape(-1)
+        if s.shape != c.shape:
+            raise ValueError(f"record_verified: {s.size} slots but {c.size} counts")
+        max_slots = self._kp1.size
+        if s.size and (int(s.min()) < 0 or int(s.max()) >= max_slots):
+            bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
+            raise ValueError(f"record_verified: slot {bad} is not in 0..{max_slots - 1}")
+        if c.size and int(c.min()) < 0:
+            raise ValueError(f"record_verified: count {int(c.min())} is negative")
+        if self._log:
+            self._log[-1][3].append((s, c))
+            return
+        newest = s[self._seen[s] == self._steps - 1]  # slots of the last STEP, judged
+        k = self._kp1[newest].astype(np.int64) - 1
+        c = c[self._seen[s] == self._steps - 1]
+        self._verified[newest] = np.where(k >= 0, np.minimum(c, k), -1)
+
+    def _judge_log(self) -> None:
+        """Judge every logged STEP, run by run: a run is STEPs each of which carries the same
+        slots and generations in the same order as the one before, without RESET or RELEASE
+        (an engine's usual rounds), so its rows judge the row before them in place; the
+        run's first STEP judges the per-slot state, which its last then replaces."""
+        log, self._log, self._log_entries = self._log, [], 0
+        if not log:
+            return
+        N = self.num_spec
+        sizes = [len(step[0]) // REQ_ENTRY_SIZE for step in log]
+        words = np.frombuffer(b"".join(step[0] for step in log), _U4).reshape(
+            -1, REQ_ENTRY_SIZE // 4)
+        kp1 = _plus_one(np.concatenate([np.zeros(n, np.uint32) if step[1] is None else step[1]
+                                        for step, n in zip(log, sizes, strict=True)],
+                                       dtype=np.uint32, casting="unsafe"))
+        conf = np.concatenate([np.zeros((n, N), np.float32) if step[2] is None else step[2]
+                               for step, n in zip(log, sizes, strict=True)])
+        verified = np.full(kp1.size, -1, np.int64)
+        first_step = self._steps - len(log)
+        at = 0
+        i = 0
+        while i < len(log):  # one run [i, j) of STEPs of n entries, rows [at, at + (j-i) n)
+            n, j = sizes[i], i + 1
+            while j < len(log) and sizes[j] == n:
+                j += 1
+            if n == 0:
+                i, at = j, at
+                continue
+            w = words[at:at + (j - i) * n].reshape(j - i, n, REQ_ENTRY_SIZE // 4)
+            # Where a STEP does not continue the one before, the run ends there.
+            goes_on = ((w[1:, :, :2] == w[:-1, :, :2]).all(axis=(1, 2))
+                       & ((w[1:, :, 5] & _ENDS_CHAIN_WORD5) == 0).all(axis=1))
+            cut = np.flatnonzero(~goes_on)
+            j = i + 1 + int(cut[0]) if cut.size else j
+            rows = slice(at, at + (j - i) * n)
+            for k, (_, _, _, calls) in enumerate(log[i:j]):
+                if calls:
+                    self._verify(calls, w[k, :, 0], kp1[at + k * n:at + (k + 1) * n],
+                                 verified[at + k * n:at + (k + 1) * n])
+            self._judge_run(first_step + i, w[:j - i], kp1[rows].reshape(j - i, n),
+                            conf[rows].reshape(j - i, n, N), verified[rows].reshape(j - i, n))
+            at += (j - i) * n
+            i = j
+        # The newest STEP's reply may still come (a reader judged the log in its round trip).
+        self._tail = (words[words.shape[0] - sizes[-1]:, 0].astype(np.intp)
+                      if log[-1][1] is None and sizes[-1] else None)
+
+    def _judge_run(self, first: int, w: npt.NDArray[np.uint32], kp1: npt.NDArray[np.uint32],
+                   conf: npt.NDArray[np.float32], verified: npt.NDArray[np.int64]) -> None:
+        """A run of T STEPs of n entries ([T, n] columns, the first STEP's index ``first``):
+        its first row against the per-slot state, every other row against the row before.
+        Entries for slots past max_slots (a STEP the worker refuses) are left out."""
+        inside = w[0, :, 0] < self._kp1.size
+        if not inside.all():
+            w, kp1, conf, verified = w[:, inside], kp1[:, inside], conf[:, inside], \
+                verified[:, inside]
+        if not w.shape[1]:
+            return
+        slots = w[0, :, 0].astype(np.intp)
+        anchor = w[:, :, 2]
+        # accepted = anchor - (old anchor + 1), in u32: a negative one wraps above any k + 1,
+        # so one comparison says 0 <= accepted <= k (and k > 0).
+        p_kp1 = self._kp1[slots]
+        accepted = anchor[0] - self._a1[slots]
+        judged = ((accepted < p_kp1) & (self._seen[slots] == first - 1)
+                  & (self._gen[slots] == w[0, :, 1]) & ((w[0, :, 5] & _ENDS_CHAIN_WORD5) == 0))
+        self._count(accepted, judged, p_kp1, self._conf[slots], self._verified[slots])
+        if w.shape[0] > 1:
+            accepted = (anchor[1:] - anchor[:-1] - np.uint32(1)).reshape(-1)
+            n_prev = kp1[:-1].reshape(-1)
+            self._count(accepted, accepted < n_prev, n_prev,
+                        conf[:-1].reshape(-1, self.num_spec), verified[:-1].reshape(-1))
+        self._kp1[slots], self._a1[slots] = kp1[-1], anchor[-1] + np.uint32(1)
+        self._gen[slots], self._seen[slots] = w[-1, :, 1], first + w.shape[0] - 1
+        self._conf[slots], self._verified[slots] = conf[-1], verified[-1]
+
+    @staticmethod
+    def _verify(calls: list[tuple[Any, Any]], slots: npt.NDArray[np.uint32],
+                kp1: npt.NDArray[np.uint32], verified: npt.NDArray[np.int64]) -> None:
+        """record_verified calls after one STEP, on its entries' blocks (in place)."""
+        for s, c in calls:
+            row, col = np.nonzero(slots[:, None] == s[None, :])
+            k = kp1[row].astype(np.int64) - 1
+            verified[row] = np.where(k >= 0, np.minimum(c[col], k), -1)
+
+    def _sum_pending(self) -> None:
         """Add the prefix survival of every judged block still waiting to ``predicted``."""
         if not self._pending:
             return
@@ -226,58 +342,8 @@ class Acceptance:
         for j in range(1, self.num_spec):
             np.multiply(surv[j], surv[j - 1], out=surv[j])
         predicted = surv.sum(axis=1)
-        for t in (self.totals, *self.also):
+        for t in (self._totals, *self.also):
             t.predicted += predicted
-
-    def record_verified(self, slots: npt.ArrayLike, counts: npt.ArrayLike) -> None:
-        """The engine verified ``counts[i]`` drafts of slot ``slots[i]``'s pending block (its
-        depth policy may verify fewer than were drafted). Counted when the block is judged;
-        a count above the drafts the block has is taken as all of them."""
-        s = np.asarray(slots, dtype=np.intp).reshape(-1)
-        c = np.asarray(counts, dtype=np.int64).reshape(-1)
-        if s.shape != c.shape:
-            raise ValueError(f"record_verified: {s.size} slots but {c.size} counts")
-        max_slots = self._kp1.size
-        if s.size and (int(s.min()) < 0 or int(s.max()) >= max_slots):
-            bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
-            raise ValueError(f"record_verified: slot {bad} is not in 0..{max_slots - 1}")
-        if c.size and int(c.min()) < 0:
-            raise ValueError(f"record_verified: count {int(c.min())} is negative")
-        last = self._last
-        if last is None:  # the pending blocks are in the per-slot arrays
-            k = self._kp1[s].astype(np.int64) - 1
-            self._verified[s] = np.where(k >= 0, np.minimum(c, k), -1)
-            return
-        place = np.full(max_slots, -1, np.intp)
-        last_slots = self._slots_of(last)
-        place[last_slots] = np.arange(last_slots.size)
-        at = place[s]
-        known = at >= 0
-        if not known.any():
-            return
-        if last.verified is None:
-            last.verified = np.full(last_slots.size, -1, np.int64)
-        k = last.kp1[at[known]].astype(np.int64) - 1
-        last.verified[at[known]] = np.where(k >= 0, np.minimum(c[known], k), -1)
-
-    @staticmethod
-    def _slots_of(last: _Last) -> npt.NDArray[np.intp]:
-        return (np.frombuffer(last.sgb, _U8) & np.uint64(0xFFFFFFFF)).astype(np.intp)
-
-    def _write_back(self) -> None:
-        """Move the last STEP's columns into the per-slot arrays (the slot set changes)."""
-        last = self._last
-        if last is None:
-            return
-        self._last = None
-        sg = np.frombuffer(last.sgb, _U8)
-        slots = (sg & np.uint64(0xFFFFFFFF)).astype(np.intp)
-        self._kp1[slots] = last.kp1
-        self._a1[slots] = last.a1
-        self._gen[slots] = (sg >> np.uint64(32)).astype(np.uint32)
-        self._seen[slots] = last.step
-        self._conf[slots] = 0.0 if last.conf is None else last.conf
-        self._verified[slots] = -1 if last.verified is None else last.verified
 
     def _count(self, accepted: npt.NDArray[np.uint32], judged: npt.NDArray[np.bool_],
                kp1: npt.NDArray[np.uint32], conf: npt.NDArray[np.float32] | None,
@@ -305,10 +371,10 @@ class Acceptance:
             if told.any():
                 verified_hist = np.bincount(np.where(told, verified, top),
                                             minlength=top + 1)[:top]
-        for t in (self.totals, *self.also):
+        for t in (self._totals, *self.also):
             t.lengths += lengths
             t.drafted_hist += drafted
             if verified_hist is not None:
                 t.verified_hist += verified_hist
         if self._pending_rows >= PENDING_ROWS:
-            self.flush()
+            self._sum_pending()

@@ -216,7 +216,8 @@ def test_both_sides_count_exactly_what_a_known_engine_accepted(worker: WorkerPro
 
 def test_a_chain_is_judged_only_by_the_slots_very_next_step() -> None:
     """The rule alone, on hand-made STEPs: accepted = new anchor - old anchor - 1 within
-    0..k; anything else, or a gap, a reset, a release or another generation, counts nothing."""
+    0..k; anything else, or a gap, a reset, a release or another generation, counts nothing.
+    (``acc.totals`` judges the STEPs fed so far each time it is read.)"""
     acc = Acceptance(max_slots=4, num_spec=3)
     conf = np.array([[0.5, 0.5, 0.5]] * 4, np.float32)
 
@@ -230,30 +231,30 @@ def test_a_chain_is_judged_only_by_the_slots_very_next_step() -> None:
 
     step([0, 1, 2, 3], [10, 10, 10, 10])
     step([0, 1, 2, 3], [11, 14, 15, 13])  # accepted 0, 3 (all), out of range (4), 2
-    t = acc.totals
-    assert t.rounds == 3 and t.accepted.tolist() == [2, 2, 1]
-    assert t.lengths.tolist() == [1, 0, 1, 1]
-    assert t.drafted.tolist() == [3, 3, 3]
+    assert acc.totals.rounds == 3 and acc.totals.accepted.tolist() == [2, 2, 1]
+    assert acc.totals.lengths.tolist() == [1, 0, 1, 1]
+    assert acc.totals.drafted.tolist() == [3, 3, 3]
     acc.flush()  # the prefix survival of judged blocks is summed in batches
-    assert t.predicted.tolist() == pytest.approx([1.5, 0.75, 0.375])
+    assert acc.totals.predicted.tolist() == pytest.approx([1.5, 0.75, 0.375])
     step([0], [12])  # slots 1..3 left out; slot 0 judged (0 accepted)
     step([0, 1, 2, 3], [13, 15, 16, 14])  # slot 0 judged again, the others not
-    assert t.rounds == 5 and t.lengths.tolist() == [3, 0, 1, 1]
+    assert acc.totals.rounds == 5 and acc.totals.lengths.tolist() == [3, 0, 1, 1]
     step([0, 1], [14, 16], flags=wire.RF_RESET)
     step([0, 1], [15, 17], gen=2)
     step([0, 1], [16, 18], gen=2, flags=wire.RF_RELEASE)
-    assert t.rounds == 5
+    assert acc.totals.rounds == 5
     step([0, 1], [17, 19], gen=3)  # a new request after the release
-    assert t.rounds == 5
+    assert acc.totals.rounds == 5
     acc.record_verified([0, 1], [2, 9])  # 9: more than drafted, taken as all 3
     step([0, 1], [19, 20], gen=3)
+    t = acc.totals
     assert t.rounds == 7 and t.verified_rounds == 2 and t.verified.tolist() == [2, 2, 1]
     step([0, 1], [20, 21], gen=3)  # no report this time
-    assert t.rounds == 9 and t.verified_rounds == 2
+    assert acc.totals.rounds == 9 and acc.totals.verified_rounds == 2
     with pytest.raises(ValueError, match=r"slot 4 is not in 0\.\.3"):
         acc.record_verified([4], [1])
     step([0, 1, 9], [21, 23, 5], gen=3)  # slot 9 is past max_slots: left out, no error
-    assert t.rounds == 11
+    assert acc.totals.rounds == 11
 
 
 def test_a_bench_beside_an_engine_leaves_the_workers_acceptance_as_it_was(
