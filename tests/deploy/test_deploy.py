@@ -717,8 +717,8 @@ def test_dashboard_variables() -> None:
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
     assert variables["engine"]["query"]["query"].startswith("label_values(dspark_client_")
     for expr in dashboard_exprs():
-        if "dspark_worker_" in expr:
-            assert 'instance=~"$instance"' in expr, expr
+        for series in re.findall(r"dspark_worker_\w+(?:\{[^}]*\})?", expr):
+            assert 'job=~"$job", instance=~"$instance"' in series, (series, expr)
         if "dspark_client_" in expr:
             assert 'instance=~"$engine"' in expr, expr
 
