@@ -7,17 +7,25 @@ read at scrape time (``dspark_worker_acceptance_*``, label ``position`` 0..N-1, 
 per session in STATS (client names are unbounded: no labels for them). A synthetic session
 (``HF_SYNTHETIC``: a benchmark's made-up rows) is judged for its own STATS entry only, never
 added to the worker's totals.
+
+The totals weigh every judged block alike, so one session that drafts much (or lies about what
+it accepted: its anchors are its own word) moves them at will. Beside them the worker exports
+what sessions show one by one: each session's mean accepted drafts over its last
+``RECENT_S`` seconds, as quantiles over the sessions that judged at least
+``MIN_RECENT_BLOCKS`` blocks in that time; the median is what the acceptance alert reads.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protocol.acceptance import Acceptance, AcceptanceTotals
@@ -28,14 +36,52 @@ from .sessions import Session
 
 __all__ = ["WorkerAcceptance"]
 
+# A session's recent figures are its totals less a snapshot of them taken at least RECENT_S
+# ago (one snapshot a minute is kept): ten minutes react to a drop well inside the alert's
+# 30 minutes. A session counts once it judged MIN_RECENT_BLOCKS blocks in that time, so that
+# a session that barely drafts does not weigh as much as a busy one's hundreds.
+RECENT_S = 600.0
+SNAPSHOT_S = 60.0
+MIN_RECENT_BLOCKS = 32
+SESSION_QUANTILES = (0.1, 0.5, 0.9)
+
+
+class _Chains:
+    """One session's chains and the snapshots (time, rounds, accepted drafts) of its
+    totals its recent figures are taken against."""
+
+    __slots__ = ("acc", "snaps")
+
+    def __init__(self, acc: Acceptance, now: float) -> None:
+        self.acc = acc
+        self.snaps: deque[tuple[float, int, int]] = deque([(now, 0, 0)])
+
+    def snapshot(self, now: float) -> None:
+        if now - self.snaps[-1][0] < SNAPSHOT_S:
+            return
+        t = self.acc.totals
+        self.snaps.append((now, t.rounds, t.accepted_drafts))
+        while len(self.snaps) > 1 and self.snaps[1][0] <= now - RECENT_S:
+            self.snaps.popleft()  # the oldest left is the newest at least RECENT_S old
+
+    def recent_mean(self) -> float | None:
+        """Mean accepted drafts per judged block since the oldest snapshot, None with fewer
+        than MIN_RECENT_BLOCKS blocks."""
+        t = self.acc.totals
+        _, rounds, accepted = self.snaps[0]
+        judged = t.rounds - rounds
+        return (t.accepted_drafts - accepted) / judged if judged >= MIN_RECENT_BLOCKS else None
+
 
 class WorkerAcceptance:
     """Every session's chains and the worker's totals."""
 
-    def __init__(self, num_spec: int, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, num_spec: int, registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.num_spec = num_spec
+        self.clock = clock
         self._totals = AcceptanceTotals(num_spec)
-        self._by_session: dict[Session, Acceptance] = {}
+        self._by_session: dict[Session, _Chains] = {}
         # The loop thread writes; a scrape (the metrics server's thread) reads.
         self._lock = threading.Lock()
         if registry is not None:
@@ -46,10 +92,12 @@ class WorkerAcceptance:
         s = item.session
         if not s.alive:  # dropped while its STEP was on the device: nothing to keep
             return
-        acc = self._by_session.get(s)
-        if acc is None:
+        now = self.clock()
+        chains = self._by_session.get(s)
+        if chains is None:
             also = () if s.synthetic else (self._totals,)
-            acc = self._by_session[s] = Acceptance(s.max_slots, self.num_spec, also)
+            chains = self._by_session[s] = _Chains(
+                Acceptance(s.max_slots, self.num_spec, also), now)
         plan, reply, idx = item.plan, item.reply, item.drafting
         drafted = confidence = None
         if idx.size and reply is not None:
@@ -61,31 +109,40 @@ class WorkerAcceptance:
                 k = np.where(keep, k, 0)
             drafted, confidence = k, reply.confidence
         # The entries are a view of the STEP's frame, whose buffer goes back to the pool in
-        # complete(): it is only reused by a later receive, never while this runs.
+        # complete(): observe copies what it keeps.
         with self._lock:
-            acc.observe(item.view.entries, drafted, confidence)
+            chains.acc.observe(item.view.entries, drafted, confidence)
+            chains.snapshot(now)
 
     def forget(self, session: Session) -> None:
         with self._lock:
-            acc = self._by_session.pop(session, None)
-            if acc is not None:
-                acc.flush()  # its judged blocks stay in the worker's totals (if it adds to them)
+            chains = self._by_session.pop(session, None)
+            if chains is not None:
+                chains.acc.flush()  # its judged blocks stay in the worker's totals, if in them
 
     def totals(self) -> AcceptanceTotals:
         """A copy of the worker's totals, complete (every session's waiting confidences are
         summed first)."""
         with self._lock:
-            for acc in self._by_session.values():
-                acc.flush()
+            for chains in self._by_session.values():
+                chains.acc.flush()
             return self._totals.copy()
+
+    def session_means(self) -> list[float]:
+        """Each real (not synthetic) session's recent mean accepted drafts per judged block,
+        for the sessions with enough blocks judged lately (``MIN_RECENT_BLOCKS``)."""
+        with self._lock:
+            means = [chains.recent_mean() for s, chains in self._by_session.items()
+                     if not s.synthetic]
+        return [m for m in means if m is not None]
 
     def session_summary(self, session: Session) -> dict[str, Any]:
         with self._lock:
-            acc = self._by_session.get(session)
-            if acc is None:
+            chains = self._by_session.get(session)
+            if chains is None:
                 return AcceptanceTotals(self.num_spec).summary()
-            acc.flush()
-            return acc.totals.summary()
+            chains.acc.flush()
+            return chains.acc.totals.summary()
 
 
 class _AcceptanceFamilies(Collector):
@@ -112,3 +169,17 @@ class _AcceptanceFamilies(Collector):
             for j, v in enumerate(values.tolist()):
                 fam.add_metric([str(j)], v)
             yield fam
+        means = self.owner.session_means()
+        yield GaugeMetricFamily(f"{p}_sessions_judged", "Sessions (not synthetic) with at"
+                                f" least {MIN_RECENT_BLOCKS} draft blocks judged in the last"
+                                f" {RECENT_S:g} s: those the session quantiles are over.",
+                                value=len(means))
+        if means:
+            gauge = GaugeMetricFamily(
+                f"{p}_session_accepted_drafts", "Mean accepted drafts per judged block of each"
+                f" session over its last {RECENT_S:g} s, as quantiles over the sessions: one"
+                " session cannot move the median of three or more.", labels=["quantile"])
+            for q, v in zip(SESSION_QUANTILES,
+                            np.quantile(means, SESSION_QUANTILES).tolist(), strict=True):
+                gauge.add_metric([f"{q:g}"], v)
+            yield gauge

@@ -50,6 +50,9 @@ dspark_worker_acceptance_rounds_total       counter    draft blocks the next STE
 dspark_worker_acceptance_drafted_total      counter    position: judged blocks with a draft there
 dspark_worker_acceptance_accepted_total     counter    position: drafts accepted there
 dspark_worker_acceptance_predicted_total    counter    position: confidence survival, summed
+dspark_worker_acceptance_sessions_judged    gauge      sessions the quantiles below are over
+dspark_worker_acceptance_session_accepted_  gauge      quantile: over sessions, each one's mean
+drafts                                                 accepted drafts in its last 10 minutes
 ==========================================  =========  ==========================================
 
 The acceptance families are ``acceptance.WorkerAcceptance``'s (docs/operations.md,

@@ -309,3 +309,49 @@ def test_a_bench_beside_an_engine_leaves_the_workers_acceptance_as_it_was(
     assert accepted2[0] == accepted0[0] + 1 and accepted2[1:] == accepted0[1:]
     (mine,) = [e for e in stats2["sessions"] if e.get("session") == client.session]
     assert mine["synthetic"] is False and mine["acceptance"]["rounds"] == 4
+
+
+def test_one_session_moves_the_totals_but_not_the_median_session() -> None:
+    """Three engines accept two drafts a block; a fourth (broken, or lying: its anchors are its
+    own word) claims none accepted over many more blocks. The worker's totals follow the
+    fourth; the per-session median the acceptance alert reads stays at the three's 2.0."""
+    from dspark_worker.acceptance import MIN_RECENT_BLOCKS
+
+    with start_worker("--device", "cpu", "--window", "64", "--max-slots", "2",
+                      "--max-total-slots", "8", "--max-rows-per-step", "128") as w:
+        assert w.endpoint is not None
+        clients, engines = [], []
+        for name in ("honest-a", "honest-b", "honest-c", "broken"):
+            hello = dc.hello_from_checkpoint(DRAFTER, window=64, max_slots=2,
+                                             client_name=name, max_rows_per_step=128)
+            c = dc.RemoteDraftClient(dc.RemoteConfig(endpoint=w.endpoint, timeout_ms=10_000),
+                                     hello)
+            clients.append(c)
+            assert c.wait_ready(30.0), c.last_error
+            eng = KnownEngine(dc.DraftRounds(c), hello.row_bytes, hello.num_spec)
+            for s in (0, 1):
+                eng.admit(s, 8)
+            eng.run([0, 1])
+            engines.append(eng)
+        try:
+            rounds = MIN_RECENT_BLOCKS // 2 + 2
+            for eng, accepted, n_rounds in zip(engines, (2, 2, 2, 0),
+                                               (rounds, rounds, rounds, 6 * rounds),
+                                               strict=True):
+                for _ in range(n_rounds):
+                    for s in (0, 1):
+                        eng.accept(s, min(accepted, eng.k[s]))
+                    eng.run([0, 1])
+            m = scrape_worker(w)
+        finally:
+            for c in clients:
+                c.close()
+    assert min(e.k[0] for e in engines) >= 2  # every block offered two drafts to accept
+    total_mean = (value(m, "dspark_worker_acceptance_accepted_total", position="0")
+                  + value(m, "dspark_worker_acceptance_accepted_total", position="1")
+                  ) / value(m, "dspark_worker_acceptance_rounds_total")
+    assert total_mean < 1.0  # the broken engine's blocks outnumber the others'
+    assert value(m, "dspark_worker_acceptance_sessions_judged") == 4
+    q = "dspark_worker_acceptance_session_accepted_drafts"
+    assert value(m, q, quantile="0.5") == pytest.approx(2.0)
+    assert value(m, q, quantile="0.1") < 2.0 and value(m, q, quantile="0.9") == pytest.approx(2.0)

@@ -41,6 +41,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from dspark_worker import cli
+from dspark_worker.acceptance import MIN_RECENT_BLOCKS
 from dspark_worker.config import (
     DEFAULT_LISTEN,
     DEFAULT_METRICS_LISTEN,
@@ -862,6 +863,14 @@ def drive(host: str, port: int, secret: bytes) -> None:
     time.sleep(0.2)
     b = Peer(host, port, session=0x5678)
     assert b.hello(hello, secret) == ST_OK
+    # One slot continued long enough for the per-session acceptance gauges (each STEP judges
+    # the block before it: nothing accepted).
+    for i in range(MIN_RECENT_BLOCKS + 1):
+        n_rows = 10 if i == 0 else 1
+        step = pack_step(10 + i, [ReqEntry(slot=0, generation=1, anchor_pos=10 + i,
+                                           anchor_token=3, n_rows=n_rows, flags=RF_NEED_DRAFT)],
+                         bf16_rows(n_rows, row_bytes, 3), row_bytes)
+        assert b.request(OP_STEP, step)[0] == ST_OK
     # Streams that break the framing, each closed with its reason.
     bad = Peer(host, port, 1)
     bad.sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(8))  # not DSPK: bad_magic
