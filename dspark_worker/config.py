@@ -287,7 +287,7 @@ def _convert(values: dict[str, Any], source: str,
     error; ``source`` for the others."""
     values = _normalise(values)
     try:
-        return msgspec.convert(values, WorkerConfig, strict=False)
+        return msgspec.convert(values, WorkerConfig)  # strict: "1024" is not 1024
     except msgspec.ValidationError as exc:
         text = str(exc)
         if "`$." in text:

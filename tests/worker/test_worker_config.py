@@ -72,6 +72,9 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
     ("window = 0", "window", 0),
     ("window = 70000", "window", 70000),
     ('window = "big"', "window", "big"),
+    ('window = "1024"', "window", "1024"),  # a number in quotes is a string, not the number
+    ('session_idle_s = "30"', "session_idle_s", "30"),
+    ("warmup = 1", "warmup", 1),
     ("max_slots = -1", "max_slots", -1),
     ('device = "tpu"', "device", "tpu"),
     ('listen = "localhost"', "listen", "localhost"),
