@@ -9,7 +9,9 @@
     demo [...]           speculative decoding with the reference pair (needs torch)
 
 The global options may also follow the command (``dspark-client ping --endpoint ...``). An
-endpoint is ``tcp://HOST:PORT``, ``unix:///PATH``, or a bare ``HOST:PORT`` (TCP).
+endpoint is ``tcp://HOST:PORT``, ``unix:///PATH``, ``dns+tcp://NAME:PORT`` (every worker the
+name resolves to: ``ping`` and ``stats`` ask each, the other commands the first), or a bare
+``HOST:PORT`` (TCP).
 
 A good citizen on a shared worker: commands that need a session (reset, bench, demo) learn the
 worker's geometry, identities and limits from STATS (section 10), so they never send a HELLO the
@@ -51,6 +53,7 @@ from protocol.messages import pack_reset
 from . import __version__
 from .client import RemoteDraftClient
 from .config import DEFAULT_ENDPOINT, RemoteConfig, RemoteConfigError, load_auth_secret
+from .discovery import Discovery, check_endpoint, is_dns_endpoint
 from .rounds import DraftRounds, SlotRequest
 from .transport import (
     EndpointError,
@@ -149,11 +152,23 @@ class Ctx:
             self.endpoint, self.endpoint_source = normalise_endpoint(env), "DSPARK_ENDPOINT"
         else:
             self.endpoint, self.endpoint_source = DEFAULT_ENDPOINT, "default"
+        given = args.endpoint if self.endpoint_source == "--endpoint" else env
         try:
-            parse_endpoint(self.endpoint)
+            check_endpoint(self.endpoint)
         except EndpointError as exc:
-            given = args.endpoint if self.endpoint_source == "--endpoint" else env
             raise CliError(f"{self.endpoint_source} {given!r}: {exc}", EXIT_USAGE) from None
+        # A dns+tcp:// name stands for every worker it resolves to: ping and stats go to each
+        # of them, the other commands to the first.
+        self.name: str | None = None
+        self.workers = [self.endpoint]
+        if is_dns_endpoint(self.endpoint):
+            self.name = self.endpoint
+            discovery = Discovery([self.endpoint])
+            found = discovery.resolve()
+            if not found:
+                raise _conn_error(f"{self.endpoint} (from {self.endpoint_source}) names no"
+                                  f" worker: {discovery.last_error}")
+            self.workers, self.endpoint = found, found[0]
         self.timeout: float = args.timeout
         self.secret: bytes | None = (load_auth_secret(args.auth_secret_file)
                                      if args.auth_secret_file else None)
@@ -343,7 +358,30 @@ def open_client(ctx: Ctx, hello: wire.Hello, timeout: float | None = None
 
 
 # -- commands ------------------------------------------------------------------------------------
+def each_worker(ctx: Ctx, command: Any, args: argparse.Namespace, out: TextIO) -> int:
+    """``command`` at every worker a dns+tcp:// endpoint names, one after the other; a worker
+    that fails is reported on stderr and the others still run (the first failure's code)."""
+    code = EXIT_OK
+    for endpoint in ctx.workers:
+        ctx.endpoint = endpoint
+        try:
+            got = command(ctx, args, out)
+        except CliError as exc:
+            if len(ctx.workers) == 1:
+                raise
+            print(f"dspark-client: {endpoint}: {exc}", file=sys.stderr)
+            got = exc.code
+        code = code or got
+        if ctx.interrupt.requested:
+            break
+    return code
+
+
 def cmd_ping(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
+    return each_worker(ctx, _ping, args, out)
+
+
+def _ping(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
     rtts: list[float] = []
     ctx.interrupt.then = "stopping after this PING"  # ping holds no session
     code = EXIT_OK
@@ -464,6 +502,20 @@ def _acceptance_lines(acc: Any, synthetic: int = 0) -> list[str]:
 
 
 def cmd_stats(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
+    if args.json and ctx.name is not None:  # one object: every worker's STATS by endpoint
+        every: dict[str, Any] = {}
+        for endpoint in ctx.workers:
+            ctx.endpoint = endpoint
+            try:
+                every[endpoint] = worker_stats(ctx)
+            except CliError as exc:
+                every[endpoint] = {"error": str(exc)}
+        print(json.dumps(every, indent=2, sort_keys=True), file=out)
+        return EXIT_OK if all("error" not in v for v in every.values()) else EXIT_CONNECTION
+    return each_worker(ctx, _stats, args, out)
+
+
+def _stats(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
     st = worker_stats(ctx)
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True), file=out)
@@ -795,8 +847,10 @@ def _add_global(p: argparse.ArgumentParser, *, sub: bool) -> None:
 
     p.add_argument("--endpoint", default=d(None),
                    help="tcp://HOST:PORT, unix:///PATH, unix+shm:///PATH (rows through shared"
-                        " memory on the same host), or HOST:PORT (TCP) (default:"
-                        f" $DSPARK_ENDPOINT, else {DEFAULT_ENDPOINT})")
+                        " memory on the same host), dns+tcp://NAME:PORT (every worker the name"
+                        " resolves to: ping and stats ask each, the other commands the"
+                        " first), or HOST:PORT (TCP) (default: $DSPARK_ENDPOINT, else"
+                        f" {DEFAULT_ENDPOINT})")
     p.add_argument("--timeout", type=_positive_float, default=d(2.0), metavar="SECONDS",
                    help="deadline of a connect and of each request (default: 2)")
     p.add_argument("--auth-secret-file", default=d(None), metavar="PATH",
@@ -898,6 +952,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     ctx: Ctx | None = None
     try:
         ctx = Ctx(args)
+        if ctx.name is not None and len(ctx.workers) > 1 and args.command not in ("ping",
+                                                                                  "stats"):
+            print(f"dspark-client: {ctx.name} names {len(ctx.workers)} workers; {args.command}"
+                  f" uses {ctx.endpoint} (ping and stats go to each)", file=sys.stderr)
         with ctx.interrupt.installed():
             return COMMANDS[args.command](ctx, args, out)
     except CliError as exc:

@@ -437,3 +437,31 @@ def test_stats_summary_shows_acceptance() -> None:
     assert "(bonus token incl.) (1 synthetic session left out)" in text
     (line,) = [x for x in text.splitlines() if x.strip().startswith("session b3nch")]
     assert line.endswith(", accepted length 2.25, synthetic (not in acceptance)")
+
+
+def test_a_dns_endpoint_names_every_worker(fw: FakeWorker, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``dns+tcp://NAME:PORT``, as the library and the Kubernetes docs write it: ping and stats
+    ask every address the name resolves to (one that does not answer is named on stderr and
+    sets the exit code), the other commands use the first; a name with no address is a
+    connection error."""
+    import dspark_client.discovery as discovery
+
+    port = int(fw.endpoint.rsplit(":", 1)[1])
+    answers = {"workers.test": ["127.0.0.1", "127.0.0.2"], "none.test": []}
+    monkeypatch.setattr(discovery, "system_resolver", lambda name, _port: answers[name])
+    # 127.0.0.2 is loopback too, and nothing listens there on the fake worker's port.
+    code, out = run("--endpoint", f"dns+tcp://workers.test:{port}", "ping")
+    err = capsys.readouterr().err
+    assert code == 3 and out.count(f"pong from tcp://127.0.0.1:{port}") == 1, (out, err)
+    assert f"dspark-client: tcp://127.0.0.2:{port}: " in err
+    code, out = run("--endpoint", f"dns+tcp://workers.test:{port}", "stats", "--json")
+    every = json.loads(out)
+    assert code == 3 and set(every) == {f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.2:{port}"}
+    assert every[f"tcp://127.0.0.1:{port}"]["worker_name"] == "fake-worker"
+    assert "error" in every[f"tcp://127.0.0.2:{port}"]
+    answers["workers.test"] = ["127.0.0.1"]
+    code, out = run("--endpoint", f"dns+tcp://workers.test:{port}", "stats")
+    assert code == 0 and out.startswith(f"worker fake-worker at tcp://127.0.0.1:{port}")
+    code, _ = run("--endpoint", f"dns+tcp://none.test:{port}", "ping")
+    assert code == 3 and "names no worker" in capsys.readouterr().err
