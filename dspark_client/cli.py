@@ -4,7 +4,8 @@
 
     ping [-c N]          PING, print the round-trip time (a min/avg/max summary for N > 1)
     stats [--json]       STATS: a short summary, or the worker's JSON
-    reset [SLOT ...]     HELLO a session of our own, RESET those slots (all when none), GOODBYE
+    reset [SLOT ...]     check the worker's RESET on a session of our own (RESET only ever
+                         acts on the sender's session: no engine's windows are touched)
     bench [...]          drive the worker with synthetic rows, print RTT percentiles and rates
     demo [...]           speculative decoding with the reference pair (needs torch)
 
@@ -542,7 +543,9 @@ def cmd_reset(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
     if status != wire.ST_OK:
         raise _worker_error(f"RESET refused: {_status_name(status)}")
     what = ", ".join(map(str, args.slots)) if args.slots else "every slot"
-    print(f"reset {what} of session {client.session:#010x}: OK", file=out)
+    print(f"reset {what} of session {client.session:#010x}: OK (a session of this command's"
+          " own: RESET acts only on the sender's session, so no engine's windows changed)",
+          file=out)
     return EXIT_OK
 
 
@@ -886,7 +889,11 @@ def build_parser() -> argparse.ArgumentParser:
     stats = command("stats", "print a summary of the worker's STATS")
     stats.add_argument("--json", action="store_true",
                        help="print the whole STATS JSON instead (default: the summary)")
-    reset = command("reset", "RESET slots (all when none) of a session of our own")
+    reset = command("reset", "check the worker's RESET: HELLO a session of our own, RESET"
+                             " those slots (all when none), GOODBYE. RESET only ever acts on"
+                             " the session that sends it, so no engine's windows are touched:"
+                             " an engine resets its own slots (RF_RESET, or RESET on its"
+                             " connection)")
     reset.add_argument("slots", nargs="*", type=_slot, metavar="SLOT",
                        help="slots to reset (default: every slot)")
     bench = command("bench", "drive the worker with synthetic rows; exits 1 when more than"

@@ -87,6 +87,7 @@ def test_every_option_says_its_default() -> None:
 def test_reset(fw: FakeWorker) -> None:
     code, out = run("--endpoint", fw.endpoint, "reset", "1", "3")
     assert code == 0 and "reset 1, 3 of session" in out
+    assert "no engine's windows changed" in out  # it says what it did not do
     resets = [h for _, h, _ in fw.frames if h.op == wire.OP_RESET]
     body = next(b for _, h, b in fw.frames if h.op == wire.OP_RESET)
     assert len(resets) == 1 and decode_reset(body) == [1, 3]
