@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import Any, Final
 
@@ -223,15 +224,19 @@ def main(argv: list[str] | None = None) -> None:
         code = _event_loop_run(_run())
     except StartupError as exc:
         log.error("cannot start: %s", exc)
-        sys.exit(1)
+        code = 1
     except KeyboardInterrupt:  # a second ^C before the handlers were installed
         code = 0
-    sys.exit(code)
+    # The worker has stopped (connections closed, port file removed, logs written): leave now.
+    # The interpreter's teardown would spend seconds in torch's static destructors freeing a
+    # fragmented heap, and a supervisor would see a worker that said "stopped:" still running.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _pid() -> int:
-    import os
-
     return os.getpid()
 
 
