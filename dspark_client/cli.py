@@ -194,7 +194,9 @@ class Ctx:
         text = str(exc).lower()
         if "refused" in text or "no such file" in text:
             return (f"; is dspark-worker running and listening at {self.endpoint}"
-                    f" (endpoint from {self.endpoint_source})?")
+                    f" (endpoint from {self.endpoint_source})? A worker still loading its"
+                    " drafter refuses connections until it is ready: its metrics port's"
+                    " /healthz then answers 503 'loading: ...'")
         return ""
 
     def speaks_http(self) -> bool:

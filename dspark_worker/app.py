@@ -187,6 +187,7 @@ class WorkerApp:
         self.unix_path: str | None = None
         self.metrics_address: tuple[str, int] | None = None
         self.threads = 0  # torch intra-op threads in force, once started
+        self.phase = "starting"  # what start() is doing, for /healthz before it is ready
         self._tcp_sock: socket.socket | None = None  # bound before loading, served on after
         self._unix_sock: socket.socket | None = None
 
@@ -195,7 +196,7 @@ class WorkerApp:
         if self.draining:
             return False, "draining"
         if not self.ready:
-            return False, "loading"
+            return False, f"loading: {self.phase}"
         broken = self.dispatcher.outputs_broken if self.dispatcher is not None else None
         if broken is not None:
             return False, f"drafter outputs are broken: {broken}"
@@ -225,6 +226,7 @@ class WorkerApp:
         if self.drafter is None:
             log.info("loading drafter: %s on %s%s", c.checkpoint or "embedded default",
                      c.device, f" ({resolve_device(c.device)})" if c.device == "auto" else "")
+            self.phase = f"reading the drafter {c.checkpoint or '(embedded default)'}"
             try:
                 self.drafter = await loop.run_in_executor(self._device, load_drafter_for, c)
             except Exception as exc:
@@ -248,6 +250,7 @@ class WorkerApp:
             log.info("candidate walk: dspark_draft_topk %d (the Markov bias on the %d best base"
                      " logits of each position; in the Markov identity)", d.draft_topk,
                      d.draft_topk)
+        self.phase = f"reserving the ring pool ({c.max_total_slots} slots of W {c.window})"
         try:
             self.pool = await loop.run_in_executor(self._device, d.new_pool,
                                                    c.max_total_slots, c.window)
@@ -261,6 +264,7 @@ class WorkerApp:
             log.warning("%s", text)
         broken: str | None = None
         if c.warmup:
+            self.phase = "warming up"
             t1 = time.perf_counter()
             await loop.run_in_executor(self._device, d.warmup)
             broken = await loop.run_in_executor(self._device, self_check, d)

@@ -227,18 +227,32 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
         out.append(("log_level", c.log_level, f"is not one of {', '.join(LOG_LEVELS)}"))
     if not c.listen and not c.unix:
         out.append(("listen", c.listen, "and unix are both unset: the worker would not listen"))
+    addresses = {}
     for field in ("listen", "metrics_listen"):
         v = getattr(c, field)
         if v:
             try:
-                parse_host_port(v)
+                addresses[field] = parse_host_port(v)
             except ValueError as exc:
                 out.append((field, v, str(exc)))
+    if len(addresses) == 2 and _same_port(addresses["listen"], addresses["metrics_listen"]):
+        out.append(("metrics_listen", c.metrics_listen, f"takes the port of listen {c.listen}:"
+                    " give the metrics their own port (the default is 7601)"))
     raw = c.worker_name.encode("utf-8")
     if len(raw) > NAME_BYTES or "\0" in c.worker_name:
         out.append(("worker_name", c.worker_name,
                     f"is not at most {NAME_BYTES} UTF-8 bytes without NUL"))
     return out
+
+
+_ANY_HOST = frozenset({"", "0.0.0.0", "::", "*"})
+
+
+def _same_port(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Whether two listeners would take one port: the same nonzero port on the same host, or
+    on any host where either listens on every address."""
+    return (a[1] == b[1] != 0
+            and (a[0] == b[0] or a[0] in _ANY_HOST or b[0] in _ANY_HOST))
 
 
 def parse_host_port(text: str) -> tuple[str, int]:

@@ -86,6 +86,11 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
     ("max_shm_region_bytes = -1", "max_shm_region_bytes", -1),
     ('worker_name = "' + "x" * 33 + '"', "worker_name", "x" * 33),
     ("max_slot = 4", "max_slot", 4),  # a typo: unknown field
+    # Both listeners on one port: refused before anything loads.
+    ('listen = "127.0.0.1:7611"\nmetrics_listen = "127.0.0.1:7611"', "metrics_listen",
+     "127.0.0.1:7611"),
+    ('listen = "0.0.0.0:7611"\nmetrics_listen = "127.0.0.1:7611"', "metrics_listen",
+     "127.0.0.1:7611"),
 ])
 def test_bad_values_name_field_and_value(tmp_path: Path, text: str, field: str,
                                          value: object) -> None:

@@ -152,7 +152,9 @@ def test_healthz_is_503_until_the_drafter_is_loaded(drafter: Any,
         url = f"http://{app.metrics_address[0]}:{app.metrics_address[1]}/healthz"
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(url, timeout=5)
-        assert e.value.code == 503 and e.value.read() == b"loading\n"
+        # It says what it is doing: a worker loading is not a worker down.
+        assert e.value.code == 503
+        assert e.value.read() == b"loading: reading the drafter (embedded default)\n"
         e.value.close()
         live = url.replace("/healthz", "/livez")
         with urllib.request.urlopen(live, timeout=5) as r:  # alive while it loads
