@@ -84,6 +84,21 @@ def resolve_checkpoint(checkpoint: str | Path,
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a checkpoint directory")
     config = load_config(directory)
+    try:
+        return _resolve(directory, config, target_checkpoint)
+    except CheckpointError as exc:
+        verifier = getattr(config, "verifier", None)  # the target it was trained against
+        if verifier and exc.tensor in TARGET_TENSORS:
+            raise CheckpointError(
+                f"{exc}; this drafter was trained against {verifier!r} (config.json"
+                " speculators_config.verifier.name_or_path): --target-checkpoint is that"
+                " model's folder", tensor=exc.tensor, shape=exc.shape,
+                expected=exc.expected) from exc
+        raise
+
+
+def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Path | None
+             ) -> tuple[DrafterConfig, dict[str, TensorRef]]:
     family = family_of(config)
     expected = expected_shapes(config)
     try:

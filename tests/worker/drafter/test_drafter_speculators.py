@@ -657,6 +657,23 @@ def test_target_tensors_and_where_they_come_from(tmp_path: Path,
     torch.testing.assert_close(g.model.lm_head.weight, target["lm_head.weight"])
 
 
+def test_a_missing_or_wrong_target_names_the_verifier(tmp_path: Path) -> None:
+    """The checkpoint says which target it was trained against
+    (``speculators_config.verifier.name_or_path``): the refusal of a missing or mismatched
+    --target-checkpoint names it."""
+    ckpt = copy_checkpoint(tmp_path)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["name_or_path"] = "Qwen/Qwen3-8B"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    hint = r"trained against 'Qwen/Qwen3-8B' \(config.json speculators_config.verifier"
+    with pytest.raises(CheckpointError, match=r"has no embed_tokens\.weight.*" + hint):
+        load_drafter(ckpt)
+    reference = Path(__file__).resolve().parents[3] / "dspark_worker" / "drafter" / "reference"
+    with pytest.raises(CheckpointError, match=r"embed_tokens.weight has shape \[260, 128\],"
+                       r" expected \[300, 64\]; this drafter was " + hint):
+        load_drafter(ckpt, reference)
+
+
 @pytest.mark.parametrize(("edit", "message"), [
     ("embed", r"holds embed_tokens.weight .shape \[300, 64\]., which a speculators drafter takes"
      " from its target"),
