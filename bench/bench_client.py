@@ -15,6 +15,7 @@ the reply. Run:
     python bench/bench_client.py --after-sleep 0,5,50  # the same against the stub, after a wait
     python bench/bench_client.py --acceptance 4  # the acceptance hook alone, 64 and 256 entries
     python bench/bench_client.py --paired 1000 --slots 1,64,256  # step() and the rounds in turn
+    python bench/bench_client.py --paired 1000 --slots 1 --step-only  # step() cases alone
     python bench/bench_client.py --paired 300 --slots 64 --row-bytes 25600 --new-rows 5
 
 The script runs unchanged at an older revision of the project (copy it into that checkout's
@@ -562,17 +563,20 @@ def repeat_rounds(n: int, repeat: int) -> None:
                   c, base_c, strict=True)))
 
 
-def paired_rounds(n: int, iters: int, accepted: int = 3, blocks: int = 5) -> None:
+def paired_rounds(n: int, iters: int, accepted: int = 3, blocks: int = 5,
+                  step_only: bool = False) -> None:
     """``--paired``: step() and the rounds at n slots, one call of each in turn, ``iters``
     times: every case meets the same moments of the machine's noise, so the ratios of the
     medians hold steadier than those of separate runs. Prints each case's median whole and
     critical time and its ratio to step()'s, and the ratio in each of ``blocks`` equal
     spans of the iterations (its spread). Each round continues every slot with
-    ``accepted + 1`` new rows."""
+    ``accepted + 1`` new rows. ``step_only``: the two step() cases alone (no rounds between
+    its calls to evict what it works on)."""
     makers: dict[tuple[str, bool], Callable[[], Any]] = {}
     for sampled in (False, True):
         makers[("step", sampled)] = lambda s=sampled: step_case(n, s)[:3]
-        for form in ("batch", "list") if hasattr(DraftRounds, "run_batch") else ("list",):
+        for form in (() if step_only else ("batch", "list") if hasattr(DraftRounds, "run_batch")
+                     else ("list",)):
             makers[(form, sampled)] = lambda f=form, s=sampled: rounds_case(n, s, f,
                                                                             accepted)
     cases = {key: make() for key, make in makers.items()}
@@ -630,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
                         " prints the smallest and the median of them (a steadier figure on a"
                         " shared machine) and each round's ratio to step(), whole and less"
                         " the work it runs during the round trip")
+    p.add_argument("--step-only", action="store_true",
+                   help="--paired: the step() cases alone, without the rounds between them")
     p.add_argument("--paired", type=int, default=0, metavar="ITERS",
                    help="instead: step() and the rounds (run_batch, run) at 256 slots (--slots"
                         " for others), greedy and sampled, one call of each in turn, ITERS"
@@ -659,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.paired:
         for n in (int(x) for x in args.slots.split(",")):
-            paired_rounds(n, args.paired, args.new_rows - 1)
+            paired_rounds(n, args.paired, args.new_rows - 1, step_only=args.step_only)
         return 0
     if args.after_sleep:
         for ms in (float(x) for x in args.after_sleep.split(",")):
