@@ -154,9 +154,9 @@ def test_hello_bad_frames(worker: ThreadWorker, drafter: Any) -> None:
                               (good, 0)):
             r = c.request(OP_HELLO, body, session=session)
             assert r.status == ST_BAD_FRAME and r.hello() == worker_reply(drafter)
-        bad_reserved = bytearray(good)
-        bad_reserved[26:28] = b"\1\0"  # the reserved u16 after n_taps
-        assert c.request(OP_HELLO, bytes(bad_reserved)).status == ST_BAD_FRAME
+        bad_flags = bytearray(good)
+        bad_flags[26:28] = b"\0\x80"  # a HELLO flag (the u16 after n_taps) no one defined
+        assert c.request(OP_HELLO, bytes(bad_flags)).status == ST_BAD_FRAME
         assert c.ping().status == ST_OK
 
 
