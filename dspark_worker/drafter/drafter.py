@@ -129,6 +129,19 @@ class Drafter:
     def target_hidden(self) -> int:
         return self.config.target_hidden_size
 
+    @property
+    def has_confidence(self) -> bool:
+        """Whether the drafter has a confidence head. Without one (a DFlash drafter, a
+        speculators checkpoint with ``enable_confidence_head`` false) every confidence is 1.0
+        and predicts nothing: the worker says so (``CAP_NO_CONFIDENCE``, contract 6.1)."""
+        return self.model.confidence_head is not None
+
+    @property
+    def description(self) -> str:
+        """The drafter's family and format in words, for logs."""
+        fmt = getattr(self.config, "format", None)
+        return f"{self.family} family" + (f", {fmt} format" if fmt else "")
+
     def new_pool(self, capacity_lanes: int, window: int) -> RingPool:
         return RingPool(self.model, capacity_lanes, window)
 
