@@ -564,11 +564,12 @@ _DROP = object()
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
+    # the dflash family serves these, and a DSpark checkpoint is not one of theirs
     ("speculators_model_type", "dflash",
-     "speculators_model_type 'dflash' is not supported .a DFlash drafter: no Markov or"
-     r" confidence head.*\['dspark'\]"),
-    ("speculators_model_type", "dflash2", "speculators_model_type 'dflash2' is not supported"
-     " .a DFlash2 drafter"),
+     r"architectures \['DSparkDraftModel'\] is not supported \(a DFlash drafter of this format"
+     r" has \['DFlashDraftModel'\]\)"),
+    ("speculators_model_type", "dflash2", r"a DFlash2 drafter of this format has"
+     r" \['DFlash2DraftModel'\]"),
     ("transformer_layer_config", _DROP, "transformer_layer_config None is missing"),
     ("transformer_layer_config.model_type", "mistral",
      r"transformer_layer_config.model_type 'mistral' is not supported \(one of \['qwen3',"
@@ -758,13 +759,18 @@ def test_hello_from_a_speculators_checkpoint(drafters: dict[str, Drafter]) -> No
         hello_from_checkpoint(DATA / "vanilla_anchor_reduced", window=32, max_slots=4)
 
 
-def test_hello_refuses_dflash(tmp_path: Path) -> None:
+def test_hello_reads_a_dflash_config_with_its_defaults(tmp_path: Path) -> None:
+    """speculators_model_type dflash: sample_from_anchor defaults to false there (N = B - 1),
+    where DSpark's default is true (N = B)."""
     ckpt = copy_checkpoint(tmp_path)
     raw = copy.deepcopy(raw_config())
+    del raw["sample_from_anchor"], raw["speculators_config"]
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    dspark = hello_from_checkpoint(ckpt, window=32, max_slots=4, target_checkpoint=TARGET)
     raw["speculators_model_type"] = "dflash"
     (ckpt / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="speculators_model_type 'dflash' is not a DSpark"):
-        hello_from_checkpoint(ckpt, window=32, max_slots=4, target_checkpoint=TARGET)
+    dflash = hello_from_checkpoint(ckpt, window=32, max_slots=4, target_checkpoint=TARGET)
+    assert (dspark.num_spec, dflash.num_spec) == (raw["block_size"], raw["block_size"] - 1)
 
 
 # -- CUDA (skipped without a GPU) -----------------------------------------------------------------
