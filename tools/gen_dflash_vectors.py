@@ -106,12 +106,11 @@ def target_head(target: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def speculators_checkpoint(name: str, seed: int, *, version: int, target: str,
                            layer: dict[str, Any], top: dict[str, Any]) -> Any:
-    from transformers import Qwen3Config
-
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
     from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
 
     layer_config = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=INTER, **layer)
     layer_config._attn_implementation = "sdpa"
@@ -261,7 +260,7 @@ def version_of(model: Any) -> int:
     return 2 if hasattr(model, "candidate_selector") else 1
 
 
-# -- the checkpoints --------------------------------------------------------------------------------
+# -- the checkpoints ------------------------------------------------------------------------------
 
 
 def main() -> None:

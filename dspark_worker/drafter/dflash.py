@@ -225,9 +225,10 @@ def _check_architectures(raw: Mapping[str, Any], source: str, version: int,
     if archs is None and not required:
         return
     if archs != [want]:
+        kind = "DFlash2" if version == 2 else "DFlash"
         raise DrafterConfigError(
-            f"{source}: architectures {archs!r} is not supported (a DFlash{'2' if version == 2 else ''}"
-            f" drafter of this format has [{want!r}])", field="architectures", value=archs)
+            f"{source}: architectures {archs!r} is not supported (a {kind} drafter of this"
+            f" format has [{want!r}])", field="architectures", value=archs)
 
 
 def _parse_speculators(raw: Mapping[str, Any], source: str, version: int) -> DFlashConfig:
@@ -242,7 +243,7 @@ def _parse_speculators(raw: Mapping[str, Any], source: str, version: int) -> DFl
                 f" checkpoint says {MODEL_TYPE_KEY} 'dspark')", field=key, value=value)
     geometry = layer_geometry(r, transformer_layer_config(raw, source), LAYER_PREFIX)
     top = top_level(r, SPECULATORS_DEFAULTS[version])
-    extra = top_level(r, DFLASH2_DEFAULTS) if version == 2 else {}
+    extra: dict[str, Any] = top_level(r, DFLASH2_DEFAULTS) if version == 2 else {}
     config = DFlashConfig(
         **geometry,
         **shared_top_level(r, raw, top, geometry["hidden_size"]),
@@ -282,11 +283,8 @@ def _parse_zlab(raw: Mapping[str, Any], source: str, version: int) -> DFlashConf
     geometry = layer_geometry(r, raw, "")
     hidden = geometry["hidden_size"]
 
-    def value(name: str, default: object = None) -> Any:
-        return r.get(f"dflash_config.{name}", (name,), default)
-
     def number(name: str, default: float | None) -> float | None:
-        got = value(name, default)
+        got = r.get(f"dflash_config.{name}", (name,), default)
         if got is None:
             return None
         if isinstance(got, bool) or not isinstance(got, int | float):
@@ -309,8 +307,8 @@ def _parse_zlab(raw: Mapping[str, Any], source: str, version: int) -> DFlashConf
             f"{source}: target_hidden_size {target_hidden!r} is not supported (fc takes n_taps"
             f" x hidden_size {hidden})", field="target_hidden_size", value=target_hidden)
     cap = number("final_logit_softcapping", None)
-    extra = {name: integer(name, default) for name, default in DFLASH2_DEFAULTS.items()} \
-        if version == 2 else {}
+    extra: dict[str, Any] = {name: integer(name, default)
+                             for name, default in DFLASH2_DEFAULTS.items()} if version == 2 else {}
     config = DFlashConfig(
         **geometry,
         target_layer_ids=tuple(taps),

@@ -28,7 +28,7 @@ j, also for the rnn head.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +87,15 @@ class MLP(nn.Module):
         return out
 
 
+class BlockConv(Protocol):
+    """An in-block convolution around a sublayer (DFlash2's): ``prepare`` its input, returning
+    the convolved input and what ``finish`` needs to convolve its output."""
+
+    def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def finish(self, x: Tensor, delta: Tensor) -> Tensor: ...
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, c: DrafterConfig, bias: bool = False) -> None:
         super().__init__()
@@ -96,8 +105,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
         # In-block convolutions around the attention and the MLP (DFlash2's; a module
         # assigned later replaces these Nones).
-        self.attention_conv: nn.Module | None = None
-        self.mlp_conv: nn.Module | None = None
+        self.attention_conv: BlockConv | None = None
+        self.mlp_conv: BlockConv | None = None
 
 
 class MarkovHead(nn.Module):

@@ -2,8 +2,8 @@
 on the Gemma4 checkpoint (DeepSpec's tiny vectors drafted over the wire, then greedy and sampled
 rounds checked against the in-process reference), then a fresh worker on the Qwen3 reference
 drafter, then one per speculators checkpoint (``--target-checkpoint`` beside it; speculators'
-own vectors over the wire, then rounds), then one per shared DFlash checkpoint. The engine side builds each HELLO from the checkpoint
-(``hello_from_checkpoint``)."""
+own vectors over the wire, then rounds), then one per shared DFlash checkpoint. The engine
+side builds each HELLO from the checkpoint (``hello_from_checkpoint``)."""
 
 from __future__ import annotations
 
