@@ -97,6 +97,17 @@ def _hello(drafter: Any, sampled: bool, name: str) -> wire.Hello:
                       markov_identity=drafter.markov_identity, client_name=name)
 
 
+def wait_ready(client: Any, timeout: float = 10.0) -> None:
+    """Until the seed client's HELLO is accepted; never disabled on the way."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not client.ready and time.monotonic() < deadline:
+        assert client.disabled_reason is None, client.disabled_reason
+        time.sleep(0.01)
+    assert client.ready, client.last_error
+
+
 def _rows(drafter: Any, rng: np.random.Generator, n: int) -> np.ndarray:
     from dspark_worker.drafter import encode_bf16_rows
 
@@ -118,12 +129,7 @@ def test_seed_client_hello_and_steps(seed_module: Any, drafter: Any, worker: Wor
     client = seed_module.RemoteDraftClient(cfg, _hello(drafter, sampled, f"seed-{sampled}"),
                                            stats=stats)
     try:
-        import time
-        deadline = time.monotonic() + 10
-        while not client.ready and time.monotonic() < deadline:
-            assert client.disabled_reason is None, client.disabled_reason
-            time.sleep(0.01)
-        assert client.ready, client.last_error
+        wait_ready(client)
         assert stats.get("hellos") == 1 and client.epoch == 1
         rng = np.random.default_rng(5 if sampled else 4)
         N = drafter.num_spec
@@ -243,7 +249,6 @@ def test_seed_client_against_a_dflash_worker(seed_module: Any) -> None:
     RPF_NO_CONFIDENCE, accepts the replies (confidence 1.0 where drafted, so it verifies whole
     blocks) and gets the drafts of the DFlash vectors."""
     import json
-    import time
 
     import torch
     from safetensors.torch import load_file
@@ -269,11 +274,7 @@ def test_seed_client_against_a_dflash_worker(seed_module: Any) -> None:
                          timeout_ms=5000, backoff_ms=20, backoff_max_ms=200),
             make_hello(d, window=64, max_slots=4, client_name="seed-dflash"), stats=Stats())
         try:
-            deadline = time.monotonic() + 10
-            while not client.ready and time.monotonic() < deadline:
-                assert client.disabled_reason is None, client.disabled_reason
-                time.sleep(0.01)
-            assert client.ready, client.last_error
+            wait_ready(client)
             assert client.worker_info.capabilities & wire.CAP_NO_CONFIDENCE
             entries = [wire.ReqEntry(slot=i, generation=1, anchor_pos=k["anchor_pos"],
                                      anchor_token=k["anchor_token"], n_rows=k["n_rows"],

@@ -16,13 +16,16 @@ import numpy as np
 import pytest
 import torch
 from drafter_support import (
-    CountingReplay,
+    DROP,
     assert_same,
     bf16_taps,
     check_bf16_many_lanes,
     check_sampled,
     params,
     refuse_host_reads,
+    set_key,
+    static_and_eager,
+    with_static_step,
 )
 from safetensors.torch import load_file, save_file
 
@@ -157,14 +160,6 @@ def test_each_difference_changes_the_drafts(drafters: dict[str, Drafter],
     assert drafts(plain, "spec_dflash2_b5") != [c["ids"] for c in mine("spec_dflash2_b5")]
 
 
-def with_static_step(d: Drafter, pool: Any, largest: int = 8) -> Drafter:
-    s = d.with_draft_topk(0)
-    report = s.prepare_graphs(pool, largest, replay=CountingReplay)
-    assert report.fallback is None, report.fallback
-    assert s.graphs is not None
-    return s
-
-
 @pytest.mark.parametrize("name", ["spec_dflash2_b5", "zlab_nested_sliding_b6",
                                   "extra_zlab2_scaled_yarn", "extra_spec_mqa_hd32_anchor"])
 def test_static_step_equals_eager_and_the_reference(drafters: dict[str, Drafter],
@@ -184,12 +179,7 @@ def test_static_step_equals_eager_and_the_reference(drafters: dict[str, Drafter]
         pool.apply(lanes, anchors, counts, [True] * 5, np.concatenate(rows))
         tokens = rng.integers(0, d.vocab_size, 5)
         for sp in (None, params(5, window)):
-            before = CountingReplay.count
-            got = s.draft(pool, lanes, anchors, tokens, sampling=sp)
-            assert CountingReplay.count == before + 1, "the static step was not taken"
-            graphs, s.graphs = s.graphs, None
-            want = s.draft(pool, lanes, anchors, tokens, sampling=sp)
-            s.graphs = graphs
+            got, want = static_and_eager(s, pool, lanes, anchors, tokens, sampling=sp)
             assert_same(got, want, exact=False)
             ref = d.reference_draft([r[-window:] for r in rows], anchors, tokens, sampling=sp)
             np.testing.assert_array_equal(got.draft_ids, ref.draft_ids)
@@ -293,18 +283,6 @@ def test_the_legacy_zlab_config_is_never_read_as_deepspec() -> None:
     assert formats.dflash_format(legacy) is None
 
 
-def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
-    *path, last = dotted.split(".")
-    node = cfg
-    for part in path:
-        node = node.setdefault(part, {})
-    if value is _DROP:
-        node.pop(last, None)
-    else:
-        node[last] = value
-
-
-_DROP = object()
 
 
 @pytest.mark.parametrize(("name", "key", "value", "message"), [
@@ -338,9 +316,9 @@ _DROP = object()
      r" 'yarn'\]\)"),
     ("zlab_nested_sliding_b6", "hidden_act", "gelu",
      r"hidden_act 'gelu' is not supported \(only 'silu'\)"),
-    ("zlab_nested_sliding_b6", "dflash_config.mask_token_id", _DROP,
+    ("zlab_nested_sliding_b6", "dflash_config.mask_token_id", DROP,
      r"dflash_config.mask_token_id or mask_token_id is missing"),
-    ("zlab_nested_sliding_b6", "dflash_config.target_layer_ids", _DROP,
+    ("zlab_nested_sliding_b6", "dflash_config.target_layer_ids", DROP,
      r"dflash_config.target_layer_ids or target_layer_ids is missing"),
     ("zlab_nested_sliding_b6", "dflash_config.block_size", 1,
      r"block_size 1 must be at least 2"),
@@ -375,7 +353,7 @@ _DROP = object()
 def test_config_refusals_name_key_value_and_what_is_supported(name: str, key: str, value: Any,
                                                               message: str) -> None:
     cfg = copy.deepcopy(raw(name))
-    _set(cfg, key, value)
+    set_key(cfg, key, value)
     with pytest.raises(DrafterConfigError, match=message):
         parse_config(cfg)
 
