@@ -611,9 +611,11 @@ class RemoteDraftClient:
                                   "max_rows_per_step": rep.max_rows_per_step,
                                   "capabilities": rep.capabilities, "resumed": rep.resumed})
         failed, self._fail_run = self._fail_run, 0
-        log.info("remote DSpark worker %r ready at %s (session %#010x, epoch %d)%s",
+        log.info("remote DSpark worker %r ready at %s (session %#010x, epoch %d)%s%s",
                  rep.worker_name, endpoint, session, epoch,
-                 f" after {failed} failed connect attempts" if failed else "")
+                 f" after {failed} failed connect attempts" if failed else "",
+                 "; its drafter has no confidence head (confidences predict nothing: verify a"
+                 " static length)" if rep.capabilities & wire.CAP_NO_CONFIDENCE else "")
         return True
 
     def _hello_on(self, conn: RpcClient, session: int, timeout: float) -> wire.HelloReply | None:

@@ -5,6 +5,7 @@ the client's metrics or in ``dspark-client stats``, and the depth policy's stati
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -29,13 +30,17 @@ def client_of(fw: FakeWorker) -> tuple[dc.RemoteDraftClient, Engine]:
 
 
 @pytest.mark.parametrize("has_confidence", [True, False])
-def test_the_flag_from_hello_to_every_round(has_confidence: bool) -> None:
+def test_the_flag_from_hello_to_every_round(has_confidence: bool,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     caps = CAPS | (0 if has_confidence else wire.CAP_NO_CONFIDENCE)
     with FakeWorker(hello_reply=make_hello_reply(capabilities=caps),
                     reply_flags=0 if has_confidence else wire.RPF_NO_CONFIDENCE) as fw:
         c, eng = client_of(fw)
         try:
             assert c.has_confidence is has_confidence
+            said = "its drafter has no confidence head (confidences predict nothing"
+            assert (said in caplog.text) is not has_confidence
             for slot in (0, 1):
                 eng.admit(slot, 9)
             res = eng.run([0, 1])

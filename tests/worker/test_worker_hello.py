@@ -155,7 +155,7 @@ def test_hello_bad_frames(worker: ThreadWorker, drafter: Any) -> None:
             r = c.request(OP_HELLO, body, session=session)
             assert r.status == ST_BAD_FRAME and r.hello() == worker_reply(drafter)
         bad_reserved = bytearray(good)
-        bad_reserved[26:28] = b"\1\0"  # the reserved u16 after n_taps
+        bad_reserved[26:28] = b"\2\0"  # a bit of the flags u16 after n_taps no flag names
         assert c.request(OP_HELLO, bytes(bad_reserved)).status == ST_BAD_FRAME
         assert c.ping().status == ST_OK
 
