@@ -24,7 +24,9 @@ In an engine's rank 0::
     res = rounds.run([SlotRequest(slot, generation, anchor_pos, anchor_token, rows=new_rows,
                                   n_out=N) for ...], release=finished_slots)
     if res.ok:   # else: target-only this step (never waits past timeout_ms)
-        lengths = schedule_greedy(res.confidence, sps_table, res.num_drafted).lengths
+        # a drafter without a confidence head (res.has_confidence False): a static length
+        conf = res.confidence if res.has_confidence else None
+        lengths = schedule_greedy(conf, sps_table, res.num_drafted).lengths
         ...      # verify res.draft_ids[i, :lengths[i]]
         record_verified(rounds, slots, lengths)   # optional: what the engine verified
 """
@@ -36,7 +38,14 @@ from .hello import hello_from_checkpoint, tap_layers
 from .metrics import client_metrics, prometheus_collector
 from .ring import TapRing
 from .rounds import DraftRounds, RoundResult, SlotRequest
-from .schedule import ConfidenceHistory, Schedule, SpsTable, schedule_global, schedule_greedy
+from .schedule import (
+    ConfidenceHistory,
+    Schedule,
+    SpsTable,
+    schedule_global,
+    schedule_greedy,
+    schedule_static,
+)
 from .stats import Stats
 from .transport import EndpointError, TransportError, TransportTimeout, make_client
 
@@ -65,5 +74,6 @@ __all__ = [
     "record_verified",
     "schedule_global",
     "schedule_greedy",
+    "schedule_static",
     "tap_layers",
 ]

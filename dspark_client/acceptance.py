@@ -46,6 +46,12 @@ class ClientAcceptance:
         with self._lock:
             self._acc.keep(drafted, confidence)
 
+    def set_has_confidence(self, has_confidence: bool) -> None:
+        """The worker's drafter has a confidence head, or not (its HELLO's CAP_NO_CONFIDENCE):
+        without one nothing predicted is kept or shown."""
+        with self._lock:
+            self._acc.totals.has_confidence = bool(has_confidence)
+
     def record_verified(self, slots: npt.ArrayLike, counts: npt.ArrayLike) -> None:
         with self._lock:
             self._acc.record_verified(slots, counts)

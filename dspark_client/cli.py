@@ -449,7 +449,9 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
         f" {geo.get('hidden', '?')}), vocab {geo.get('vocab_size', '?')}, {modes};"
         f" {st.get('device', '?')} {st.get('dtype', '?')}",
         f"  drafter {str(st.get('drafter_identity', '?'))[:16]}..  markov"
-        f" {str(st.get('markov_identity', '?'))[:16]}..",
+        f" {str(st.get('markov_identity', '?'))[:16]}.."
+        + ("; no confidence head (confidences predict nothing)"
+           if st.get("confidence_head") is False or caps & wire.CAP_NO_CONFIDENCE else ""),
     ]
     reserved = sum(int(s.get("max_slots", 0)) for s in sessions)
     lines.append(f"  sessions {len(sessions)}/{limits.get('max_sessions', '?')}, slots reserved"
@@ -498,10 +500,12 @@ def _acceptance_lines(acc: Any, synthetic: int = 0) -> list[str]:
     def row(values: Any) -> str:
         return " ".join("-" if v is None else f"{v:.2f}" for v in values or [])
 
+    predicted = acc.get("predicted_acceptance_by_position")
+    said = (f"predicted {row(predicted)}" if predicted is not None else
+            "nothing predicted (the drafter has no confidence head)")
     return [f"  acceptance: {acc['rounds']} judged blocks, mean accepted length"
             f" {acc.get('mean_accepted_length', 0):.2f} (bonus token incl.){left_out}",
-            f"    by position {row(acc.get('acceptance_by_position'))}; predicted"
-            f" {row(acc.get('predicted_acceptance_by_position'))}"]
+            f"    by position {row(acc.get('acceptance_by_position'))}; {said}"]
 
 
 def cmd_stats(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:

@@ -337,6 +337,16 @@ class RemoteDraftClient:
         return self._ready and self.disabled_reason is None
 
     @property
+    def has_confidence(self) -> bool | None:
+        """Whether the worker's drafter has a confidence head (contract 6.1,
+        ``CAP_NO_CONFIDENCE``): None until a HELLO is accepted. False (a DFlash drafter): every
+        reply says so (``RPF_NO_CONFIDENCE``, ``RoundResult.has_confidence``), its confidences
+        are 1.0 and predict nothing: verify a static number of drafts, not a confidence-
+        scheduled one, and read no predicted acceptance into them."""
+        rep = self.worker_info
+        return None if rep is None else not rep.capabilities & wire.CAP_NO_CONFIDENCE
+
+    @property
     def disabled(self) -> bool:
         return self.disabled_reason is not None
 
@@ -594,15 +604,18 @@ class RemoteDraftClient:
         self._placement.connected(endpoint)
         self._shared.ready_event.set()
         self.worker_info = rep
+        self.acceptance.set_has_confidence(not rep.capabilities & wire.CAP_NO_CONFIDENCE)
         self.stats.inc_many({"hellos": 1, "reconnects": int(epoch > 1)})
         self.stats.set("worker", {"name": rep.worker_name, "endpoint": endpoint,
                                   "max_slots": rep.max_slots,
                                   "max_rows_per_step": rep.max_rows_per_step,
                                   "capabilities": rep.capabilities, "resumed": rep.resumed})
         failed, self._fail_run = self._fail_run, 0
-        log.info("remote DSpark worker %r ready at %s (session %#010x, epoch %d)%s",
+        log.info("remote DSpark worker %r ready at %s (session %#010x, epoch %d)%s%s",
                  rep.worker_name, endpoint, session, epoch,
-                 f" after {failed} failed connect attempts" if failed else "")
+                 f" after {failed} failed connect attempts" if failed else "",
+                 "; its drafter has no confidence head (confidences predict nothing: verify a"
+                 " static length)" if rep.capabilities & wire.CAP_NO_CONFIDENCE else "")
         return True
 
     def _hello_on(self, conn: RpcClient, session: int, timeout: float) -> wire.HelloReply | None:
@@ -893,6 +906,7 @@ class RemoteDraftClient:
         self._placement.connected(target)
         self._shared.ready_event.set()
         self.worker_info = rep
+        self.acceptance.set_has_confidence(not rep.capabilities & wire.CAP_NO_CONFIDENCE)
         self.stats.inc_many({"hellos": 1, "moves": 1})
         self.stats.set("worker", {"name": rep.worker_name, "endpoint": target,
                                   "max_slots": rep.max_slots,
@@ -1106,6 +1120,11 @@ class RemoteDraftClient:
             if reply.step_id != step_id:
                 raise wire.WireError(f"reply step_id {reply.step_id} != sent {step_id}",
                                      field="step_id", value=reply.step_id, limit=step_id)
+            if bool(reply.flags & wire.RPF_NO_CONFIDENCE) == self.has_confidence:
+                raise wire.WireError(
+                    f"reply flags {reply.flags:#x}: RPF_NO_CONFIDENCE disagrees with the"
+                    f" worker's HELLO (has_confidence {self.has_confidence})", field="flags",
+                    value=reply.flags)
             if self.sampled:
                 self._check_sampled(reply, sent, ahead)
             elif reply.support_ids is not None:

@@ -12,12 +12,16 @@ for the wrong model. No framework is loaded: the identities come from the files'
 checkpoint while it matches the files. A drafter without ``embed_tokens`` / ``lm_head`` needs
 ``target_checkpoint``, as the worker does, and fails with the worker's message without it.
 
-A checkpoint saved by vLLM's speculators library (``speculators_model_type: dspark``) keeps its
-geometry in ``transformer_layer_config``: the vocabulary is the target's (``vocab_size`` there;
-drafts are target ids even over a reduced draft vocabulary), N is ``block_size`` or
-``block_size - 1`` (``sample_from_anchor`` false: the anchor is the bonus token), and its
-``aux_hidden_state_layer_ids`` are HF ``hidden_states`` indices, one above the layer numbering
-taps use here (``tap_layers``). Its ``embed_tokens`` always comes from the target checkpoint.
+A checkpoint saved by vLLM's speculators library (``speculators_model_type`` ``dspark``,
+``dflash`` or ``dflash2``) keeps its geometry in ``transformer_layer_config``: the vocabulary is
+the target's (``vocab_size`` there; drafts are target ids even over a reduced draft vocabulary),
+N is ``block_size`` or ``block_size - 1`` (``sample_from_anchor`` false, DFlash's default: the
+anchor is the bonus token), and its ``aux_hidden_state_layer_ids`` are HF ``hidden_states``
+indices, one above the layer numbering taps use here (``tap_layers``). Its ``embed_tokens``
+always comes from the target checkpoint. A z-lab DFlash drafter (``architectures``
+``DFlashDraftModel`` / ``DFlash2DraftModel``, ``protocol.formats``) is a Qwen3 config with a
+``dflash_config``: N is ``block_size - 1``, its ``target_layer_ids`` are taps as they are, and its
+``embed_tokens`` and ``lm_head`` are the target's.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import json
 from pathlib import Path
 from typing import Any, Final, cast
 
-from protocol import wire
+from protocol import formats, wire
 from protocol.constants import SAMPLE_GREEDY, SAMPLE_TOP32
 from protocol.identity import identities_from_checkpoint, markov_walk_identity
 
@@ -68,10 +72,27 @@ def _read_config(checkpoint: str | Path) -> tuple[dict[str, Any], Path]:
     return cfg, cfg_path
 
 
+# speculators' defaults of the keys read here where a config lacks one: DSpark (sample_from_anchor
+# true) and DFlash (false); block_size 8 in both. A z-lab DFlash drafter drafts blocks of 16 where
+# neither its dflash_config nor its top level sets block_size (its newer code's default).
+_SAMPLE_FROM_ANCHOR_DEFAULT: Final = {"dspark": True, "dflash": False, "dflash2": False}
+_ZLAB_DEFAULT_BLOCK: Final = 16
+
+
 def _geometry(cfg: dict[str, Any], cfg_path: Path) -> tuple[int, int, list[int], int | None]:
     """(num_spec, vocab_size, tap layers, hidden or None) of a drafter config.json; tap layers
     in DeepSpec numbering (the output of decoder layer i; -1 the embedding output)."""
     kind = cfg.get("speculators_model_type")
+    fmt = formats.dflash_format(cfg, str(cfg_path))
+    if fmt in (formats.ZLAB_DFLASH, formats.ZLAB_DFLASH2):
+        # a Qwen3Config dump: the geometry at the top level, dflash_config's values first; taps
+        # numbered as DeepSpec's; the anchor is the bonus token (N = B - 1)
+        block = int(_field(cfg, cfg_path, "dflash_config.block_size", "block_size")
+                    if _has(cfg, "dflash_config.block_size", "block_size")
+                    else _ZLAB_DEFAULT_BLOCK)
+        taps = _field(cfg, cfg_path, "dflash_config.target_layer_ids", "target_layer_ids")
+        return (block - 1, int(cfg.get("vocab_size", 151936)), [int(t) for t in taps],
+                int(cfg.get("hidden_size", 4096)))
     if kind is None:
         num_spec = int(_field(cfg, cfg_path, "block_size", "dspark_block_size"))
         vocab = int(_field(cfg, cfg_path, "vocab_size"))
@@ -79,12 +100,12 @@ def _geometry(cfg: dict[str, Any], cfg_path: Path) -> tuple[int, int, list[int],
                       "dspark_target_layer_ids")
         hidden = cfg.get("target_hidden_size") or cfg.get("hidden_size")
         return num_spec, vocab, [int(t) for t in taps], hidden
-    if kind != "dspark":
-        raise ValueError(f"{cfg_path}: speculators_model_type {kind!r} is not a DSpark drafter"
-                         " (only 'dspark' has the Markov and confidence heads)")
-    # speculators' defaults where a key is missing: block_size 8, sample_from_anchor true
+    if kind not in _SAMPLE_FROM_ANCHOR_DEFAULT:
+        raise ValueError(f"{cfg_path}: speculators_model_type {kind!r} is not a drafter the"
+                         f" worker serves (one of {sorted(_SAMPLE_FROM_ANCHOR_DEFAULT)})")
     block = int(cfg.get("block_size", 8))
-    num_spec = block if cfg.get("sample_from_anchor", True) else block - 1
+    anchor = cfg.get("sample_from_anchor", _SAMPLE_FROM_ANCHOR_DEFAULT[kind])
+    num_spec = block if anchor else block - 1
     layer = cfg.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError(f"{cfg_path}: transformer_layer_config is missing or not an object")
@@ -92,6 +113,14 @@ def _geometry(cfg: dict[str, Any], cfg_path: Path) -> tuple[int, int, list[int],
     vocab = int(layer.get("vocab_size", 32000 if layer.get("model_type") == "llama" else 151936))
     aux = _field(cfg, cfg_path, "aux_hidden_state_layer_ids")
     return num_spec, vocab, [int(k) - 1 for k in aux], int(layer.get("hidden_size", 4096))
+
+
+def _has(cfg: dict[str, Any], *names: str) -> bool:
+    try:
+        _field(cfg, Path("config.json"), *names)
+    except ValueError:
+        return False
+    return True
 
 
 def tap_layers(checkpoint: str | Path) -> tuple[int, ...]:

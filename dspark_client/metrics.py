@@ -136,14 +136,17 @@ def acceptance_families(acc: ClientAcceptance) -> list[MetricFamily]:
            MetricFamily(f"{p}_verified_rounds", "counter", "Judged blocks for which the engine"
                         " said how many drafts it verified (record_verified).", (),
                         {(): t.verified_rounds})]
-    for name, text, values in (
-            ("drafted", "Judged blocks with a draft at this block position.", t.drafted),
-            ("accepted", "Drafts the target accepted at this block position (the drafts before"
-             " it were accepted too).", t.accepted),
-            ("predicted", "The confidence head's probability that the draft at this position is"
-             " accepted (prefix survival), summed over judged blocks.", t.predicted),
-            ("verified", "Drafts the engine verified at this block position, of the blocks it"
-             " reported (record_verified).", t.verified)):
+    kinds = [
+        ("drafted", "Judged blocks with a draft at this block position.", t.drafted),
+        ("accepted", "Drafts the target accepted at this block position (the drafts before"
+         " it were accepted too).", t.accepted),
+        ("predicted", "The confidence head's probability that the draft at this position is"
+         " accepted (prefix survival), summed over judged blocks.", t.predicted),
+        ("verified", "Drafts the engine verified at this block position, of the blocks it"
+         " reported (record_verified).", t.verified)]
+    for name, text, values in kinds:
+        if name == "predicted" and not t.has_confidence:
+            continue  # a drafter without a confidence head predicts nothing
         out.append(MetricFamily(f"{p}_{name}", "counter", text, ("position",),
                                 {(str(j),): v for j, v in enumerate(values.tolist())}))
     return out

@@ -137,7 +137,9 @@ class RoundResult(msgspec.Struct, gc=False):
     num_drafted[i]: usable draft positions of request i (0: target-only for that slot).
     draft_ids / confidence / margin ``[n, N]``; support_ids / proposal_q ``[n, N, 32]`` on a
     sampled session. Positions ``j >= num_drafted[i]`` carry zeros. ``status[i]``: the
-    request status of section 7.2, or NOT_SENT."""
+    request status of section 7.2, or NOT_SENT. ``has_confidence`` False: the drafter has no
+    confidence head (``RPF_NO_CONFIDENCE``): its confidences are 1.0 and predict nothing, so a
+    depth policy verifies a static number of drafts (``schedule_greedy(None, ...)``)."""
 
     ok: bool
     reason: str | None
@@ -151,6 +153,7 @@ class RoundResult(msgspec.Struct, gc=False):
     resynced: int = 0
     rows_sent: int = 0
     rtt_us: float = 0.0
+    has_confidence: bool = True
 
 
 class _Round(msgspec.Struct, gc=False):
@@ -1118,7 +1121,8 @@ class DraftRounds:
             status=np.full(n, NOT_SENT, np.uint8), draft_ids=self._zero_ids[:n],
             confidence=self._zero_conf[:n], margin=self._zero_conf[:n],
             support_ids=None if self._zero_sup is None else self._zero_sup[:n],
-            proposal_q=None if self._zero_q is None else self._zero_q[:n])
+            proposal_q=None if self._zero_q is None else self._zero_q[:n],
+            has_confidence=self.client.has_confidence is not False)
 
     def _result(self, n: int, included: Ints, reply: wire.StepReply,
                 drafted: npt.NDArray[np.int64]) -> RoundResult:
@@ -1130,7 +1134,8 @@ class DraftRounds:
                 draft_ids=reply.draft_ids[:n], confidence=reply.confidence[:n],
                 margin=None if reply.margin is None else reply.margin[:n],
                 support_ids=None if reply.support_ids is None else reply.support_ids[:n],
-                proposal_q=None if reply.proposal_q is None else reply.proposal_q[:n])
+                proposal_q=None if reply.proposal_q is None else reply.proposal_q[:n],
+                has_confidence=not reply.flags & wire.RPF_NO_CONFIDENCE)
         # Some requests were deferred: scatter the reply's rows to the requests' places.
         num = np.zeros(n, np.int32)
         idx = included
@@ -1149,4 +1154,5 @@ class DraftRounds:
             ok=True, reason=None, num_drafted=num, status=status,
             draft_ids=scatter(reply.draft_ids), confidence=scatter(reply.confidence),
             margin=scatter(reply.margin), support_ids=scatter(reply.support_ids),
-            proposal_q=scatter(reply.proposal_q))
+            proposal_q=scatter(reply.proposal_q),
+            has_confidence=not reply.flags & wire.RPF_NO_CONFIDENCE)

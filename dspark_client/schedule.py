@@ -23,6 +23,11 @@ Sorting by survival admits drafts of a request in order (survival never rises al
 sort is stable), so the admitted candidates of each request form a prefix: ``L_r`` is a count.
 B never exceeds the table's largest ``batch_tokens``: beyond the measured range the cost is
 unknown, and engines cap tokens per step anyway.
+
+A drafter without a confidence head (``RoundResult.has_confidence`` / ``client.has_confidence``
+False: a DFlash drafter) gives confidences that predict nothing: pass ``confidence=None`` and
+both schedulers fall back to ``schedule_static``, a static length (every drafted position, or
+``static_length``), as engines verify such drafters; its expected tokens are unknown (NaN).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ __all__ = [
     "expected_tokens_per_s",
     "schedule_global",
     "schedule_greedy",
+    "schedule_static",
     "survival",
 ]
 
@@ -185,9 +191,40 @@ def _empty(R: int, sps: SpsTable) -> Schedule:
                     score=float(R * sps(R)) if R else 0.0)
 
 
-def schedule_greedy(confidence: Any, sps: SpsTable, num_drafted: Any = None) -> Schedule:
+def schedule_static(num_drafted: Any, sps: SpsTable | None = None,
+                    static_length: int | None = None) -> Schedule:
+    """The static length, for drafts without confidences: request r verifies
+    ``min(num_drafted[r], static_length)`` drafts (every drafted one by default), admitted
+    position by position across the requests while B stays within ``sps``'s largest
+    ``batch_tokens``. ``expected_tokens`` and ``score`` are NaN: nothing predicts them."""
+    k = np.asarray(num_drafted, dtype=np.int64)
+    if k.ndim != 1 or (k < 0).any():
+        raise ValueError(f"num_drafted must be counts >= 0 per request, got {k.tolist()!r}")
+    if static_length is not None and (isinstance(static_length, bool)
+                                      or not isinstance(static_length, int)
+                                      or static_length < 0):
+        raise ValueError(f"static_length {static_length!r} is not a count >= 0")
+    lengths = k if static_length is None else np.minimum(k, static_length)
+    R = lengths.size
+    if sps is not None:
+        room = max(sps.max_batch_tokens - R, 0)
+        if int(lengths.sum()) > room:
+            # position-major: every request's draft 0, then every draft 1, ... up to the room
+            order = np.argsort(np.concatenate([np.arange(n) for n in lengths]), kind="stable")
+            req = np.repeat(np.arange(R), lengths)[order[:room]]
+            lengths = np.bincount(req, minlength=R)
+    lengths = lengths.astype(np.int64)
+    return Schedule(lengths=lengths, batch_tokens=R + int(lengths.sum()),
+                    expected_tokens=math.nan, score=math.nan)
+
+
+def schedule_greedy(confidence: Any, sps: SpsTable, num_drafted: Any = None, *,
+                    static_length: int | None = None) -> Schedule:
     """Algorithm 1: admit candidates by survival while ``tau * SPS(B)`` rises; stop at the
-    first that does not raise it."""
+    first that does not raise it. ``confidence`` None (a drafter without a confidence head):
+    ``schedule_static(num_drafted, sps, static_length)``."""
+    if confidence is None:
+        return _static(num_drafted, sps, static_length)
     s = survival(confidence, num_drafted)
     R, N = s.shape
     if R == 0 or N == 0 or sps.max_batch_tokens < R:
@@ -199,11 +236,14 @@ def schedule_greedy(confidence: Any, sps: SpsTable, num_drafted: Any = None) -> 
     return _build(R, N, req, m, tau, score)
 
 
-def schedule_global(confidence: Any, sps: SpsTable, num_drafted: Any = None) -> Schedule:
+def schedule_global(confidence: Any, sps: SpsTable, num_drafted: Any = None, *,
+                    static_length: int | None = None) -> Schedule:
     """The production variant: the admitted count maximises ``tau * SPS(B)`` over every prefix
     of the survival order (the smallest B among equal maxima). Pass it the confidences of two
     steps earlier (``ConfidenceHistory.lagged``) when the batch must be laid out before the
-    current drafts exist."""
+    current drafts exist. ``confidence`` None: ``schedule_static``, as for ``schedule_greedy``."""
+    if confidence is None:
+        return _static(num_drafted, sps, static_length)
     s = survival(confidence, num_drafted)
     R, N = s.shape
     if R == 0 or N == 0 or sps.max_batch_tokens < R:
@@ -212,6 +252,13 @@ def schedule_global(confidence: Any, sps: SpsTable, num_drafted: Any = None) -> 
     tau, score = _scores(R, surv, sps)
     m = int(np.argmax(score))  # first maximum: the smallest B
     return _build(R, N, req, m, tau, score)
+
+
+def _static(num_drafted: Any, sps: SpsTable, static_length: int | None) -> Schedule:
+    if num_drafted is None:
+        raise ValueError("without confidences (a drafter without a confidence head) the"
+                         " schedule needs num_drafted")
+    return schedule_static(num_drafted, sps, static_length)
 
 
 class ConfidenceHistory:

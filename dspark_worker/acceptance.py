@@ -77,10 +77,13 @@ class WorkerAcceptance:
     """Every session's chains and the worker's totals."""
 
     def __init__(self, num_spec: int, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 has_confidence: bool = True) -> None:
         self.num_spec = num_spec
         self.clock = clock
-        self._totals = AcceptanceTotals(num_spec)
+        # False: the drafter has no confidence head; nothing predicted is kept or shown.
+        self.has_confidence = has_confidence
+        self._totals = AcceptanceTotals(num_spec, has_confidence)
         self._by_session: dict[Session, _Chains] = {}
         # The loop thread writes; a scrape (the metrics server's thread) reads.
         self._lock = threading.Lock()
@@ -97,7 +100,7 @@ class WorkerAcceptance:
         if chains is None:
             also = () if s.synthetic else (self._totals,)
             chains = self._by_session[s] = _Chains(
-                Acceptance(s.max_slots, self.num_spec, also), now)
+                Acceptance(s.max_slots, self.num_spec, also, self.has_confidence), now)
         plan, reply, idx = item.plan, item.reply, item.drafting
         drafted = confidence = None
         if idx.size and reply is not None:
@@ -140,7 +143,7 @@ class WorkerAcceptance:
         with self._lock:
             chains = self._by_session.get(session)
             if chains is None:
-                return AcceptanceTotals(self.num_spec).summary()
+                return AcceptanceTotals(self.num_spec, self.has_confidence).summary()
             chains.acc.flush()
             return chains.acc.totals.summary()
 
@@ -158,13 +161,15 @@ class _AcceptanceFamilies(Collector):
         t, p = self.owner.totals(), f"{PREFIX}_acceptance"
         yield CounterMetricFamily(f"{p}_rounds", "Draft blocks whose outcome the slot's next"
                                   " STEP showed (judged blocks).", value=t.rounds)
-        for name, text, values in (
-                ("drafted", "Judged blocks with a draft at this block position.", t.drafted),
-                ("accepted", "Drafts the target accepted at this block position (the drafts"
-                 " before it were accepted too).", t.accepted),
-                ("predicted", "The confidence head's probability that the draft at this"
-                 " position is accepted (prefix survival), summed over judged blocks.",
-                 t.predicted)):
+        families: list[tuple[str, str, Any]] = [
+            ("drafted", "Judged blocks with a draft at this block position.", t.drafted),
+            ("accepted", "Drafts the target accepted at this block position (the drafts"
+             " before it were accepted too).", t.accepted)]
+        if t.has_confidence:  # a drafter without a confidence head predicts nothing
+            families.append(("predicted", "The confidence head's probability that the draft at"
+                             " this position is accepted (prefix survival), summed over judged"
+                             " blocks.", t.predicted))
+        for name, text, values in families:
             fam = CounterMetricFamily(f"{p}_{name}", text, labels=["position"])
             for j, v in enumerate(values.tolist()):
                 fam.add_metric([str(j)], v)

@@ -29,7 +29,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from protocol.auth import read_secret_file
-from protocol.constants import CAP_MARGIN, CAP_TAPS_BF16, CAP_TOP32
+from protocol.constants import CAP_MARGIN, CAP_NO_CONFIDENCE, CAP_TAPS_BF16, CAP_TOP32
 
 from . import __version__
 from .buffers import BufferPool, pinned_factory
@@ -240,12 +240,17 @@ class WorkerApp:
         device, dtype = str(d.device), _dtype_name(d.dtype)
         self.metrics.watch_memory(rss_bytes, _cuda_memory(d.device)
                                   if device.startswith("cuda") else None)
-        log.info("drafter %s (%s family): drafter_identity %s markov_identity %s, device %s,"
+        log.info("drafter %s (%s): drafter_identity %s markov_identity %s, device %s,"
                  " dtype %s, N %d, row_bytes %d (%d taps x %d), vocab %d, loaded in %.2f s",
                  getattr(d, "source", c.checkpoint or "embedded"),
-                 getattr(d, "family", "?"), d.drafter_identity.hex(),
-                 d.markov_identity.hex(), device, dtype, d.num_spec, d.row_bytes, d.n_taps,
-                 d.target_hidden, d.vocab_size, time.perf_counter() - t0)
+                 getattr(d, "description", f"{getattr(d, 'family', '?')} family"),
+                 d.drafter_identity.hex(), d.markov_identity.hex(), device, dtype, d.num_spec,
+                 d.row_bytes, d.n_taps, d.target_hidden, d.vocab_size, time.perf_counter() - t0)
+        has_confidence = bool(getattr(d, "has_confidence", True))
+        if not has_confidence:
+            log.info("confidence head: absent (every confidence is 1.0 and predicts nothing:"
+                     " HELLO replies carry CAP_NO_CONFIDENCE, STEP replies RPF_NO_CONFIDENCE,"
+                     " and no predicted acceptance is shown; engines verify a static length)")
         if getattr(d, "draft_topk", 0):
             log.info("candidate walk: dspark_draft_topk %d (the Markov bias on the %d best base"
                      " logits of each position; in the Markov identity)", d.draft_topk,
@@ -280,9 +285,11 @@ class WorkerApp:
             row_bytes=d.row_bytes, vocab_size=d.vocab_size, n_taps=d.n_taps,
             hidden=d.target_hidden, max_slots=c.max_slots,
             max_rows_per_step=c.max_rows_per_step,
-            capabilities=CAP_TAPS_BF16 | CAP_MARGIN | CAP_TOP32,
+            capabilities=CAP_TAPS_BF16 | CAP_MARGIN | CAP_TOP32
+            | (0 if has_confidence else CAP_NO_CONFIDENCE),
             bytes_per_slot=int(self.pool.bytes_per_lane), device=device, dtype=dtype,
             version=__version__, limits=self._limits(d.row_bytes))
+        self.metrics.confidence_head.set(1 if has_confidence else 0)
         self.metrics.info.labels(version=__version__, worker_name=info.worker_name,
                                  device=device, dtype=dtype,
                                  drafter_identity=info.drafter_identity.hex(),

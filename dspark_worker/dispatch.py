@@ -32,6 +32,7 @@ go only to its own connection)::
       "geometry": {"window": W, "num_spec": N, "row_bytes": int, "vocab_size": int,
                    "n_taps": int, "hidden": int, "capabilities": int},
       "drafter_identity": hex, "markov_identity": hex,
+      "confidence_head": bool (false: confidences predict nothing, CAP_NO_CONFIDENCE),
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
                  "max_connections", "max_frame_bytes", "session_idle_s",
                  "partial_frame_timeout_s", "handshake_timeout_s", "connection_idle_s",
@@ -62,7 +63,8 @@ next STEP judged (docs/operations.md, "Acceptance"; the totals leave out synthet
 ``mean_accepted_drafts`` and ``mean_accepted_length`` (the bonus token included; null before
 the first block), and N-long lists ``drafted_by_position``, ``accepted_by_position``,
 ``predicted_by_position``, ``acceptance_by_position`` and ``predicted_acceptance_by_position``
-(null where nothing was drafted).
+(null where nothing was drafted; the two predicted lists null for a drafter without a confidence
+head), and ``confidence_head``.
 
 ``session`` and ``client_name`` appear only in the entry of the session bound to the connection
 that asked (section 11); every entry has ``label``, a keyed hash of the id (12 hex digits).
@@ -88,6 +90,7 @@ import numpy as np
 from protocol.auth import verify_hello
 from protocol.constants import (
     APP_HEADER_SIZE,
+    CAP_NO_CONFIDENCE,
     CAP_SHM_ROWS,
     FRAME_STATUS_NAMES,
     IDENTITY_BYTES,
@@ -191,6 +194,11 @@ class WorkerInfo:
     dtype: str = "float32"
     version: str = "0"
     limits: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_confidence(self) -> bool:
+        """The drafter has a confidence head (no ``CAP_NO_CONFIDENCE``)."""
+        return not self.capabilities & CAP_NO_CONFIDENCE
 
     def hello_reply(self, resumed: bool = False, extra_capabilities: int = 0) -> HelloReply:
         return HelloReply(
@@ -326,7 +334,8 @@ class Dispatcher:
         self._auth_failures: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._dropped_counts: dict[str, int] = {}
         self._hello_reply_ok: dict[tuple[bool, int], bytes] = {}
-        self.acceptance = WorkerAcceptance(info.num_spec, metrics.registry)
+        self.acceptance = WorkerAcceptance(info.num_spec, metrics.registry,
+                                           has_confidence=info.has_confidence)
         # Gauges read when scraped: nothing to keep up to date per frame.
         metrics.sessions.set_function(lambda: len(table))
         metrics.active_slots.set_function(lambda: table.active_slots)
@@ -784,6 +793,7 @@ class Dispatcher:
                          "capabilities": i.capabilities},
             "drafter_identity": i.drafter_identity.hex(),
             "markov_identity": i.markov_identity.hex(),
+            "confidence_head": i.has_confidence,
             "limits": dict(i.limits),
             "queue_steps": self.runner.queued_steps,
             "sessions": sessions,

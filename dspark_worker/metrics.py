@@ -35,6 +35,8 @@ dspark_worker_receive_buffers_bytes         gauge      pooled receive buffers he
                                                        plus idle; pinned on CUDA)
 dspark_worker_device_memory_allocated_bytes gauge      CUDA only: torch tensors on the device
 dspark_worker_device_memory_reserved_bytes  gauge      CUDA only: torch's caching allocator
+dspark_worker_confidence_head               gauge      1: the drafter has a confidence head; 0:
+                                                       none (nothing predicted)
 dspark_worker_info                          gauge      1; labels version, worker_name, device,
                                                        dtype, drafter_identity, markov_identity
 dspark_worker_stage_duration_seconds        histogram  stage: decode, queue, apply, draft,
@@ -50,6 +52,7 @@ dspark_worker_acceptance_rounds_total       counter    draft blocks the next STE
 dspark_worker_acceptance_drafted_total      counter    position: judged blocks with a draft there
 dspark_worker_acceptance_accepted_total     counter    position: drafts accepted there
 dspark_worker_acceptance_predicted_total    counter    position: confidence survival, summed
+                                                       (absent without a confidence head)
 dspark_worker_acceptance_sessions_judged    gauge      sessions the quantiles below are over
 dspark_worker_acceptance_session_accepted_  gauge      quantile: over sessions, each one's mean
 drafts                                                 accepted drafts in its last 10 minutes
@@ -184,6 +187,10 @@ class Metrics:
                                      "Receive buffers the worker holds now, in use and idle"
                                      " (power-of-two size classes; pinned host memory on CUDA).",
                                      registry=r)
+        self.confidence_head = Gauge(
+            f"{p}_confidence_head", "1: the drafter has a confidence head; 0: it has none (its"
+            " confidences are 1.0 and predict nothing; no acceptance_predicted series).",
+            registry=r)
         self.info = Gauge(f"{p}_info", "Constant 1; what this worker runs.",
                           ["version", "worker_name", "device", "dtype", "drafter_identity",
                            "markov_identity"], registry=r)

@@ -39,6 +39,7 @@ import numpy.typing as npt
 from protocol.constants import (
     APP_HEADER_SIZE,
     RPF_MARGIN,
+    RPF_NO_CONFIDENCE,
     RPF_SAMPLED,
     RS_NO_WINDOW,
     RS_OK,
@@ -133,6 +134,9 @@ class Runner:
         self.pool = pool
         self.window = window
         self.num_spec = int(drafter.num_spec)
+        # Every reply of a drafter without a confidence head says so (contract 7.4).
+        self._reply_flags = RPF_MARGIN | (0 if getattr(drafter, "has_confidence", True)
+                                          else RPF_NO_CONFIDENCE)
         self._complete = complete
         self._queue: deque[Op] = deque()
         self.queued_steps = 0
@@ -455,7 +459,7 @@ class Runner:
         s, plan, N = item.session, item.plan, self.num_spec
         if item.status is None or item.window_rows is None:  # pragma: no cover - by _apply
             raise InternalError("STEP reached encode without statuses")
-        flags = RPF_MARGIN | (RPF_SAMPLED if s.sampled else 0)
+        flags = self._reply_flags | (RPF_SAMPLED if s.sampled else 0)
         n = plan.slots.size
         reply = StepReply.into(item.reply_buf, APP_HEADER_SIZE, int(item.view.header.step_id),
                                n, N, flags)

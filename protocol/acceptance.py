@@ -45,21 +45,26 @@ class AcceptanceTotals:
     ``predicted[j]``: the confidence head's probability of that, summed (prefix survival
     ``c_0 * ... * c_j``); ``lengths[a]``: blocks with exactly ``a`` drafts accepted (0..N).
     ``verified[j]`` and ``verified_rounds``: the same for positions the engine said it verified
-    (the client's ``record_verified``; blocks it said nothing of are not in them)."""
+    (the client's ``record_verified``; blocks it said nothing of are not in them).
+    ``has_confidence`` False: the drafter has no confidence head (its confidences are 1.0 and
+    predict nothing), so nothing is predicted: ``predicted`` stays 0 and the summary has no
+    predicted figures."""
 
-    __slots__ = ("drafted_hist", "lengths", "num_spec", "predicted", "verified_hist")
+    __slots__ = ("drafted_hist", "has_confidence", "lengths", "num_spec", "predicted",
+                 "verified_hist")
 
-    def __init__(self, num_spec: int) -> None:
+    def __init__(self, num_spec: int, has_confidence: bool = True) -> None:
         self.num_spec = num_spec
+        self.has_confidence = has_confidence
         self.lengths = np.zeros(num_spec + 1, np.int64)  # judged blocks by accepted count
         self.drafted_hist = np.zeros(num_spec + 1, np.int64)  # ... by drafted count
         self.verified_hist = np.zeros(num_spec + 1, np.int64)  # reported ones by verified count
         self.predicted = np.zeros(num_spec, np.float64)
 
     def copy(self) -> AcceptanceTotals:
-        out = AcceptanceTotals(self.num_spec)
+        out = AcceptanceTotals(self.num_spec, self.has_confidence)
         for name in self.__slots__:
-            if name != "num_spec":
+            if name not in ("num_spec", "has_confidence"):
                 getattr(out, name)[:] = getattr(self, name)
         return out
 
@@ -96,7 +101,8 @@ class AcceptanceTotals:
         """Plain numbers for STATS: the counts, the mean accepted drafts per judged block, the
         mean accepted length (the bonus token included: tokens per verify round) and, by
         position, accepted over drafted and predicted over drafted (``None`` where nothing was
-        drafted)."""
+        drafted; the predicted lists ``None`` without a confidence head, and
+        ``confidence_head`` says which)."""
         r, accepted, drafted = self.rounds, self.accepted, self.drafted
         mean = int(accepted.sum()) / r if r else None
 
@@ -111,9 +117,12 @@ class AcceptanceTotals:
             "mean_accepted_length": round(1.0 + mean, 4) if mean is not None else None,
             "drafted_by_position": drafted.tolist(),
             "accepted_by_position": accepted.tolist(),
-            "predicted_by_position": [round(x, 3) for x in self.predicted.tolist()],
+            "predicted_by_position": [round(x, 3) for x in self.predicted.tolist()]
+            if self.has_confidence else None,
             "acceptance_by_position": ratio(accepted, drafted),
-            "predicted_acceptance_by_position": ratio(self.predicted, drafted),
+            "predicted_acceptance_by_position": ratio(self.predicted, drafted)
+            if self.has_confidence else None,
+            "confidence_head": self.has_confidence,
         }
 
 
@@ -147,9 +156,9 @@ class Acceptance:
                  "num_spec")
 
     def __init__(self, max_slots: int, num_spec: int,
-                 also: tuple[AcceptanceTotals, ...] = ()) -> None:
+                 also: tuple[AcceptanceTotals, ...] = (), has_confidence: bool = True) -> None:
         self.num_spec = num_spec
-        self._totals = AcceptanceTotals(num_spec)
+        self._totals = AcceptanceTotals(num_spec, has_confidence)
         self.also = also
         self._steps = 0  # STEPs fed so far: the next one's index
         # Per STEP not yet judged: [its entries' bytes, drafted k (None: no reply yet, or
@@ -362,7 +371,7 @@ class Acceptance:
             lengths = np.bincount(np.where(judged, accepted, top), minlength=top + 1)[:top]
             drafted = np.bincount(np.where(judged, kp1, 0), minlength=top + 1)[1:]
             rows = conf[judged] if conf is not None else None
-        if rows is not None:  # judged blocks always have confidences: kp1 > 0
+        if rows is not None and self._totals.has_confidence:  # judged blocks have them (kp1 > 0)
             self._pending.append(rows)
             self._pending_rows += rows.shape[0]
         verified_hist = None

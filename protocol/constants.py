@@ -76,7 +76,11 @@ CAP_TAPS_BF16: Final = 1
 CAP_TOP32: Final = 2
 CAP_MARGIN: Final = 4
 CAP_SHM_ROWS: Final = 8  # section 13: STEP rows may come from a shared-memory region
-KNOWN_CAPABILITIES: Final = CAP_TAPS_BF16 | CAP_TOP32 | CAP_MARGIN | CAP_SHM_ROWS
+# The drafter has no confidence head (a DFlash drafter): every reply says so (RPF_NO_CONFIDENCE)
+# and its confidences are 1.0, which a client that ignores the bit reads as "verify all".
+CAP_NO_CONFIDENCE: Final = 16
+KNOWN_CAPABILITIES: Final = (CAP_TAPS_BF16 | CAP_TOP32 | CAP_MARGIN | CAP_SHM_ROWS
+                             | CAP_NO_CONFIDENCE)
 # Hello flags (the u16 at offset 26). HF_SYNTHETIC: the session's rows and tokens are made up
 # (a benchmark, a load test): the worker keeps its drafts out of every acceptance figure.
 HF_SYNTHETIC: Final = 1
@@ -117,7 +121,8 @@ REQ_ENTRY_SIZE: Final = 48
 REPLY_HEADER_SIZE: Final = 24
 RPF_MARGIN: Final = 1
 RPF_SAMPLED: Final = 2
-KNOWN_REPLY_FLAGS: Final = RPF_MARGIN | RPF_SAMPLED
+RPF_NO_CONFIDENCE: Final = 4  # the confidences carry no prediction (CAP_NO_CONFIDENCE)
+KNOWN_REPLY_FLAGS: Final = RPF_MARGIN | RPF_SAMPLED | RPF_NO_CONFIDENCE
 REPLY_ALIGN: Final = 8  # every reply array starts at a multiple of this from the body's start
 
 # -- section 9: sampled proposals (dyadic24) ------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 from .constants import (
     APP_HEADER_SIZE,
     CAP_MARGIN,
+    CAP_NO_CONFIDENCE,
     CAP_SHM_ROWS,
     CAP_TAPS_BF16,
     CAP_TOP32,
@@ -29,6 +30,7 @@ from .constants import (
     RF_RELEASE,
     RF_RESET,
     RPF_MARGIN,
+    RPF_NO_CONFIDENCE,
     RPF_SAMPLED,
     RS_NO_WINDOW,
     RS_OK,
@@ -78,6 +80,7 @@ from .messages import (
 __all__ = [
     "APP_HEADER_SIZE",
     "CAP_MARGIN",
+    "CAP_NO_CONFIDENCE",
     "CAP_SHM_ROWS",
     "CAP_TAPS_BF16",
     "CAP_TOP32",
@@ -102,6 +105,7 @@ __all__ = [
     "RF_RELEASE",
     "RF_RESET",
     "RPF_MARGIN",
+    "RPF_NO_CONFIDENCE",
     "RPF_SAMPLED",
     "RS_NO_WINDOW",
     "RS_OK",

@@ -199,7 +199,9 @@ class SpeculativeDecoder:
         lengths = None
         if res is not None and res.ok and self.depth is not None:
             # Confidence-scheduled verification (Algorithm 1): how many of the drafts to verify.
-            lengths = schedule_greedy(res.confidence, self.depth, res.num_drafted).lengths
+            # (A drafter without a confidence head: a static length, every draft offered.)
+            conf = res.confidence if res.has_confidence else None
+            lengths = schedule_greedy(conf, self.depth, res.num_drafted).lengths
         for i, s in enumerate(live):
             k = int(res.num_drafted[i]) if res is not None else 0
             if lengths is not None:

@@ -100,6 +100,7 @@ def resolve_checkpoint(checkpoint: str | Path,
 def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Path | None
              ) -> tuple[DrafterConfig, dict[str, TensorRef]]:
     family = family_of(config)
+    family.check_folder(directory)
     expected = expected_shapes(config)
     try:
         refs = tensor_index(checkpoint_files(directory))
@@ -120,9 +121,11 @@ def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Pa
                     shape=refs[name].shape)
         unexpected = sorted(set(refs) - set(expected))
         if unexpected:
+            what = family.explain_tensor(unexpected[0])
             raise CheckpointError(
                 f"{directory}: unexpected tensor {unexpected[0]} (shape "
                 f"{list(refs[unexpected[0]].shape)}) for this config.json"
+                + (f": {what}, which the {family.name} drafter does not run" if what else "")
                 + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""),
                 tensor=unexpected[0], shape=refs[unexpected[0]].shape)
         lacking = [name for name in TARGET_TENSORS if name not in refs]

@@ -129,6 +129,19 @@ class Drafter:
     def target_hidden(self) -> int:
         return self.config.target_hidden_size
 
+    @property
+    def has_confidence(self) -> bool:
+        """Whether the drafter has a confidence head. Without one (a DFlash drafter, a
+        speculators checkpoint with ``enable_confidence_head`` false) every confidence is 1.0
+        and predicts nothing: the worker says so (``CAP_NO_CONFIDENCE``, contract 6.1)."""
+        return self.model.confidence_head is not None
+
+    @property
+    def description(self) -> str:
+        """The drafter's family and format in words, for logs."""
+        fmt = getattr(self.config, "format", None)
+        return f"{self.family} family" + (f", {fmt} format" if fmt else "")
+
     def new_pool(self, capacity_lanes: int, window: int) -> RingPool:
         return RingPool(self.model, capacity_lanes, window)
 
@@ -246,7 +259,8 @@ class Drafter:
                 logits = model.logits(hf)[0]  # [lead + N, Vd]
                 prev = int(token[i])
                 state: Tensor | None = None
-                head = model.markov_head
+                head = model.walk_head
+                topk = self.draft_topk or model.walk_candidates
                 for j in range(lead):  # the rnn state steps through the lead rows
                     if head is not None and head.kind == "rnn":
                         anchor_t = torch.tensor([prev], dtype=torch.int64, device=self.device)
@@ -255,14 +269,14 @@ class Drafter:
                     hf_j = hf[:, lead + j]  # [1, d]
                     z = logits[lead + j]  # [Vd]
                     e: Tensor | None = None
-                    if model.markov_head is not None:
+                    if head is not None:
                         prev_t = torch.tensor([prev], dtype=torch.int64, device=self.device)
-                        e, bias, state = model.markov_head.step(prev_t, hf_j, state)
+                        e, bias, state = head.step(prev_t, hf_j, state)
                     # The candidate walk: the k best base logits, ascending ids, and every
                     # other id -inf (which takes part in nothing below).
                     cand = np.arange(c.draft_vocab)
-                    if self.draft_topk:
-                        cand = np.sort(torch.topk(z, self.draft_topk).indices.cpu().numpy())
+                    if topk:
+                        cand = np.sort(torch.topk(z, topk).indices.cpu().numpy())
                     if e is not None:
                         z = z + bias[0].float()  # [Vd]
                     z_host = z.float().cpu().numpy()[cand]  # [k]
@@ -438,6 +452,12 @@ def check_draft_topk(k: object, config: DrafterConfig, source: str) -> int:
     vocabulary drafts are picked in (``config.draft_vocab``)."""
     if k is None:
         return 0
+    own = getattr(config, "selector_top_k", 0)
+    if own and k:
+        raise DrafterConfigError(
+            f"{source}: dspark_draft_topk {k!r} is not supported for this drafter (0 only): its"
+            f" candidate selector reranks its own selector_top_k {own} candidates",
+            field="dspark_draft_topk", value=k)
     vocab = config.draft_vocab
     name = "vocab_size" if vocab == config.vocab_size else "draft_vocab_size"
     low = min(MAX_TOP_K, vocab)

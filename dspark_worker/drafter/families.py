@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import gemma4, speculators
+from protocol import formats
+
+from . import dflash, gemma4, speculators
 from .config import DrafterConfig, DrafterConfigError, parse_qwen3_config, read_config_json
 from .model import DrafterModel, DraftModel, instantiate
 from .model import expected_shapes as qwen3_shapes
@@ -41,6 +43,10 @@ class Family:
     # Checks across loaded tensors beyond their shapes (raise ValueError).
     check_tensors: Callable[[DrafterConfig, Mapping[str, Tensor]], None] = (
         lambda config, tensors: None)
+    # What an unexpected tensor is, where the family knows (for the refusal's message).
+    explain_tensor: Callable[[str], str | None] = lambda name: None
+    # Checks of the checkpoint folder beyond config.json and the weights (raise ValueError).
+    check_folder: Callable[[Path], None] = lambda directory: None
 
 
 QWEN3 = Family(
@@ -73,14 +79,35 @@ SPECULATORS = Family(
     from_target=speculators.from_target,
     check_tensors=speculators.check_tensors,
 )
-FAMILIES: tuple[Family, ...] = (QWEN3, GEMMA4, SPECULATORS)
+DFLASH = Family(
+    name="dflash",
+    model_types=(),  # picked by speculators_model_type or architectures (protocol.formats)
+    architectures=dflash.ARCHITECTURES,
+    config_type=dflash.DFlashConfig,
+    parse=dflash.parse_dflash_config,
+    expected_shapes=dflash.dflash_shapes,
+    model_type=dflash.DFlashDrafterModel,
+    index_dtypes=speculators.INDEX_DTYPES,
+    from_target=dflash.from_target,
+    check_tensors=dflash.check_tensors,
+    explain_tensor=dflash.explain_tensor,
+    check_folder=dflash.check_folder,
+)
+FAMILIES: tuple[Family, ...] = (QWEN3, GEMMA4, SPECULATORS, DFLASH)
 
 
 def detect_family(raw: Mapping[str, Any], source: str = "config.json") -> Family:
-    """The family a parsed config.json belongs to. ``speculators_model_type`` decides where it
-    is present (its parser refuses the formats it does not serve, by name); else
+    """The family a parsed config.json belongs to. A DFlash format (``protocol.formats``:
+    speculators' dflash / dflash2, z-lab's architectures) first; then ``speculators_model_type``
+    where it is present (its parser refuses the formats it does not serve, by name); else
     ``architectures`` where it names a known drafter class; else ``model_type``; a config with
     none of them is Qwen3."""
+    try:
+        if formats.dflash_format(raw, source) is not None:
+            return DFLASH
+    except ValueError as exc:
+        raise DrafterConfigError(str(exc), field="architectures",
+                                 value=raw.get("architectures")) from None
     if speculators.MODEL_TYPE_KEY in raw:
         return SPECULATORS
     archs = raw.get("architectures")

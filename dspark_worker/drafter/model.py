@@ -28,7 +28,7 @@ j, also for the rnn head.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +87,15 @@ class MLP(nn.Module):
         return out
 
 
+class BlockConv(Protocol):
+    """An in-block convolution around a sublayer (DFlash2's): ``prepare`` its input, returning
+    the convolved input and what ``finish`` needs to convolve its output."""
+
+    def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def finish(self, x: Tensor, delta: Tensor) -> Tensor: ...
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, c: DrafterConfig, bias: bool = False) -> None:
         super().__init__()
@@ -94,6 +103,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(c, bias)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
+        # In-block convolutions around the attention and the MLP (DFlash2's; a module
+        # assigned later replaces these Nones).
+        self.attention_conv: BlockConv | None = None
+        self.mlp_conv: BlockConv | None = None
 
 
 class MarkovHead(nn.Module):
@@ -173,7 +186,9 @@ class DraftModel(nn.Module):
       :meth:`finish_logits` (elementwise to fp32): the walk runs the GEMM once for every
       position and finishes one position at a time, so no [B, N, Vd] fp32 tensor is made;
     - :meth:`target_ids`: that vocabulary's ids -> target ids (the identity unless the family
-      reduces it; a device gather, so the walk maps its picks without a host sync).
+      reduces it; a device gather, so the walk maps its picks without a host sync);
+    - :attr:`walk_head` and :attr:`walk_candidates` where the walk is not the Markov head's
+      over the whole vocabulary.
     """
 
     config: DrafterConfig
@@ -239,6 +254,17 @@ class DraftModel(nn.Module):
         """Draft-vocabulary ids -> target ids (the same ids unless a family reduces the
         vocabulary; ``config.draft_vocab``)."""
         return ids
+
+    # -- the walk ---------------------------------------------------------------------------
+    # Candidates per position the family's own walk reranks (DFlash2's selector_top_k); 0: the
+    # walk runs over the whole vocabulary unless the worker asks for vLLM's candidate walk.
+    walk_candidates: int = 0
+
+    @property
+    def walk_head(self) -> MarkovHead | None:
+        """The head whose bias the walk adds given the previous token: the Markov head, or a
+        family's own (DFlash2's candidate selector); None: the base logits alone."""
+        return self.markov_head
 
 
 class DrafterModel(DraftModel):

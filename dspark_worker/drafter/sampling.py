@@ -92,9 +92,9 @@ def build_q(z: Tensor, top_k: Tensor, temperature: Tensor, top_p: Tensor) -> tup
 def build_q_among(z: Tensor, ids: Tensor, top_k: Tensor, temperature: Tensor, top_p: Tensor,
                   vocab: int) -> tuple[Tensor, Tensor]:
     """:func:`build_q` of the logits that are ``z`` [B, C] fp32 at the distinct ``ids``
-    [B, C] int64 and -inf at every other id of the vocabulary (the candidate walk); C is at
-    least ``min(MAX_TOP_K, vocab)``."""
-    kmax = min(MAX_TOP_K, vocab)
+    [B, C] int64 and -inf at every other id of the vocabulary (the candidate walk): ``q`` over
+    the C candidates, so at most C places are used (top_k above C takes all C)."""
+    kmax = min(MAX_TOP_K, vocab, ids.shape[1])
     by_id, order = torch.sort(ids, dim=1)  # [B, C] ascending ids
     zs, perm = torch.sort(z.gather(1, order), dim=1, descending=True, stable=True)  # [B, C]
     best, zk = by_id.gather(1, perm)[:, :kmax], zs[:, :kmax]  # [B, kmax]

@@ -57,8 +57,8 @@ MODEL_TYPE_KEY = "speculators_model_type"
 SPECULATORS_MODEL_TYPES = ("dspark",)
 # speculators formats of the same layout that this family does not serve, and why.
 REFUSED_MODEL_TYPES = {
-    "dflash": "a DFlash drafter: no Markov or confidence head, other defaults",
-    "dflash2": "a DFlash2 drafter: no Markov or confidence head, other defaults",
+    "dflash": "a DFlash drafter: the dflash family serves it",
+    "dflash2": "a DFlash2 drafter: the dflash family serves it",
 }
 ARCHITECTURES = ("DSparkDraftModel",)
 LAYER_MODEL_TYPES = ("qwen3", "llama")
@@ -253,6 +253,35 @@ def parse_speculators_config(raw: Mapping[str, Any],
         raise DrafterConfigError(
             f"{source}: {MODEL_TYPE_KEY} {kind!r} is not supported ({why}; the worker serves"
             f" {list(SPECULATORS_MODEL_TYPES)})", field=MODEL_TYPE_KEY, value=kind)
+    r = ConfigReader(raw, source)
+    geometry = layer_geometry(r, transformer_layer_config(raw, source), LAYER_PREFIX)
+    top = top_level(r, TOP_DEFAULTS)
+    markov_rank = top["markov_rank"]
+    conf = top["enable_confidence_head"]
+    with_markov = conf and top["confidence_head_with_markov"]
+    if with_markov and markov_rank == 0:
+        raise DrafterConfigError(
+            f"{source}: confidence_head_with_markov true needs markov_rank > 0 (markov_rank 0:"
+            " no Markov head)", field="confidence_head_with_markov", value=True)
+    config = SpeculatorsConfig(
+        **geometry,
+        **shared_top_level(r, raw, top, geometry["hidden_size"]),
+        markov_rank=markov_rank,
+        markov_head_type=top["markov_head_type"],
+        enable_confidence_head=conf,
+        confidence_head_with_markov=with_markov,
+    )
+    config.validated(source)
+    check_speculative_tokens(raw, config, source)
+    return config
+
+
+LAYER_PREFIX = "transformer_layer_config."
+
+
+def transformer_layer_config(raw: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    """The nested decoder config of a speculators checkpoint, with the top-level options this
+    family refuses checked first."""
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, Mapping):
         raise DrafterConfigError(
@@ -264,32 +293,69 @@ def parse_speculators_config(raw: Mapping[str, Any],
         if value is not None and value != supported:
             raise DrafterConfigError(f"{source}: {name} {value!r} is not supported ({what}:"
                                      f" {supported!r})", field=name, value=value)
+    return layer
+
+
+def layer_geometry(r: ConfigReader, layer: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The decoder geometry of a Qwen3- or Llama-config mapping (``layer``, spelled
+    ``<prefix><key>`` in errors: the nested ``transformer_layer_config`` of a speculators
+    checkpoint, or the top level of a z-lab one) as config fields; a missing key takes the config
+    class's default."""
+    source = r.source
     layer_kind = layer.get("model_type", "qwen3")
     if layer_kind not in LAYER_MODEL_TYPES:
         raise DrafterConfigError(
-            f"{source}: transformer_layer_config.model_type {layer_kind!r} is not supported"
-            f" (one of {list(LAYER_MODEL_TYPES)})", field="transformer_layer_config.model_type",
+            f"{source}: {prefix}model_type {layer_kind!r} is not supported"
+            f" (one of {list(LAYER_MODEL_TYPES)})", field=f"{prefix}model_type",
             value=layer_kind)
-    defaults = LAYER_DEFAULTS[layer_kind]
-    lay = _LayerReader(r, defaults)
+    lay = _LayerReader(r, layer_kind, prefix)
     act = lay.get("hidden_act")
     if act != HIDDEN_ACT:
         raise DrafterConfigError(
-            f"{source}: transformer_layer_config.hidden_act {act!r} is not supported (only"
-            f" {HIDDEN_ACT!r})", field="transformer_layer_config.hidden_act", value=act)
+            f"{source}: {prefix}hidden_act {act!r} is not supported (only"
+            f" {HIDDEN_ACT!r})", field=f"{prefix}hidden_act", value=act)
     hidden = lay.int_("hidden_size")
     heads = lay.int_("num_attention_heads")
-    kv_heads = lay.int_("num_key_value_heads", fallback=heads)
-    head_dim = lay.int_("head_dim", fallback=hidden // heads if heads > 0 else 0)
     num_layers = lay.int_("num_hidden_layers")
-    vocab = lay.int_("vocab_size")
     layer_types, window = _layer_types(lay, num_layers, source)
-    rope_type, theta, scaling = _rope(r, layer, source)
+    rope_type, theta, scaling = _rope(r, layer, source, prefix)
     if rope_type != "default" and isinstance(layer.get("original_max_position_embeddings"), int):
         # transformers gives a top-level original_max_position_embeddings priority (Phi3's)
         scaling = tuple(sorted(dict(scaling, original_max_position_embeddings=float(
             layer["original_max_position_embeddings"])).items()))
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": lay.int_("num_key_value_heads", fallback=heads),
+        "head_dim": lay.int_("head_dim", fallback=hidden // heads if heads > 0 else 0),
+        "intermediate_size": lay.int_("intermediate_size"),
+        "vocab_size": lay.int_("vocab_size"),
+        "rms_norm_eps": lay.float_("rms_norm_eps"),
+        "rope_theta": theta,
+        "attention_bias": lay.bool_("attention_bias"),
+        "layer_types": layer_types,
+        "sliding_window": window,
+        "rope_type": rope_type,
+        "rope_scaling": scaling,
+        "max_position_embeddings": lay.int_("max_position_embeddings"),
+        "layer_model_type": layer_kind,
+    }
 
+
+def top_level(r: ConfigReader, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """Top-level keys with the format class's defaults, each of its default's type."""
+    return {name: (r.bool_(name, default=value) if isinstance(value, bool) else
+                   r.int_(name, default=value) if isinstance(value, int) else
+                   r.str_(name, default=value).lower())
+            for name, value in defaults.items()}
+
+
+def shared_top_level(r: ConfigReader, raw: Mapping[str, Any], top: Mapping[str, Any],
+                     hidden: int) -> dict[str, Any]:
+    """The config fields every speculators format of this layout (dspark, dflash, dflash2)
+    keeps at the top level: taps, block, vocabulary, mask, sliding causality, verifier."""
+    source = r.source
     target_hidden = r.get("target_hidden_size", default=None)
     if target_hidden is not None and target_hidden != hidden:
         raise DrafterConfigError(
@@ -302,113 +368,92 @@ def parse_speculators_config(raw: Mapping[str, Any],
             f"{source}: aux_hidden_state_layer_ids {aux!r} must be strictly increasing HF"
             " hidden_states indices >= 0 (0 the embedding output, k the output of decoder"
             " layer k - 1)", field="aux_hidden_state_layer_ids", value=aux)
-    top: dict[str, Any] = {
-        name: (r.bool_(name, default=value) if isinstance(value, bool) else
-               r.int_(name, default=value) if isinstance(value, int) else
-               r.str_(name, default=value).lower())
-        for name, value in TOP_DEFAULTS.items()}
-    markov_rank = top["markov_rank"]
-    conf = top["enable_confidence_head"]
-    with_markov = conf and top["confidence_head_with_markov"]
-    if with_markov and markov_rank == 0:
-        raise DrafterConfigError(
-            f"{source}: confidence_head_with_markov true needs markov_rank > 0 (markov_rank 0:"
-            " no Markov head)", field="confidence_head_with_markov", value=True)
-    config = SpeculatorsConfig(
-        hidden_size=hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=lay.int_("intermediate_size"),
-        vocab_size=vocab,
-        rms_norm_eps=lay.float_("rms_norm_eps"),
-        rope_theta=theta,
-        target_layer_ids=tuple(k - 1 for k in aux),
-        block_size=top["block_size"],
-        mask_token_id=r.int_("mask_token_id"),
-        markov_rank=markov_rank,
-        markov_head_type=top["markov_head_type"],
-        enable_confidence_head=conf,
-        confidence_head_with_markov=with_markov,
-        target_hidden_size=hidden,
-        draft_vocab_size=top["draft_vocab_size"],
-        sample_from_anchor=top["sample_from_anchor"],
-        attention_bias=lay.bool_("attention_bias"),
-        layer_types=layer_types,
-        sliding_window=window,
-        sliding_window_non_causal=top["sliding_window_non_causal"],
-        rope_type=rope_type,
-        rope_scaling=scaling,
-        max_position_embeddings=lay.int_("max_position_embeddings"),
-        layer_model_type=layer_kind,
-        verifier=_verifier(raw),
-    )
-    config.validated(source)
+    return {
+        "target_layer_ids": tuple(k - 1 for k in aux),
+        "block_size": top["block_size"],
+        "mask_token_id": r.int_("mask_token_id"),
+        "target_hidden_size": hidden,
+        "draft_vocab_size": top["draft_vocab_size"],
+        "sample_from_anchor": top["sample_from_anchor"],
+        "sliding_window_non_causal": top["sliding_window_non_causal"],
+        "verifier": _verifier(raw),
+    }
+
+
+def check_speculative_tokens(raw: Mapping[str, Any], config: DrafterConfig,
+                             source: str) -> None:
+    """``speculators_config.proposal_methods[0].speculative_tokens`` must be the layout's N
+    (vLLM sizes its query block from it; speculators always runs B rows)."""
     tokens = _speculative_tokens(raw)
     if tokens is not None and tokens != config.num_spec:
+        anchor = getattr(config, "sample_from_anchor", True)
         raise DrafterConfigError(
             f"{source}: speculators_config.proposal_methods[0].speculative_tokens {tokens!r}"
             f" disagrees with the layout's N {config.num_spec} (block_size"
-            f" {config.block_size}, sample_from_anchor {str(config.sample_from_anchor).lower()})",
+            f" {config.block_size}, sample_from_anchor {str(anchor).lower()})",
             field="speculative_tokens", value=tokens)
-    return config
 
 
 class _LayerReader:
-    """``transformer_layer_config`` keys with their config-class defaults; errors name the key
-    as ``transformer_layer_config.<key>``."""
+    """Decoder-config keys with their config-class defaults (``LAYER_DEFAULTS[kind]``); errors
+    name the key as ``<prefix><key>``."""
 
-    def __init__(self, r: ConfigReader, defaults: dict[str, Any]) -> None:
-        self.r, self.defaults = r, defaults
+    def __init__(self, r: ConfigReader, kind: str, prefix: str) -> None:
+        self.r, self.kind, self.prefix = r, kind, prefix
+        self.defaults = LAYER_DEFAULTS[kind]
 
     def get(self, key: str) -> Any:
-        return self.r.get(f"transformer_layer_config.{key}", default=self.defaults.get(key))
+        return self.r.get(self.prefix + key, default=self.defaults.get(key))
 
     def int_(self, key: str, fallback: int | None = None) -> int:
         default = self.defaults.get(key)
-        value: int = self.r.int_(f"transformer_layer_config.{key}",
+        value: int = self.r.int_(self.prefix + key,
                                  default=fallback if default is None else default)
         return value
 
     def float_(self, key: str) -> float:
-        return self.r.float_(f"transformer_layer_config.{key}", default=self.defaults[key])
+        return self.r.float_(self.prefix + key, default=self.defaults[key])
 
     def bool_(self, key: str) -> bool:
-        return self.r.bool_(f"transformer_layer_config.{key}", default=self.defaults[key])
+        return self.r.bool_(self.prefix + key, default=self.defaults[key])
 
 
 def _layer_types(lay: _LayerReader, num_layers: int,
                  source: str) -> tuple[tuple[str, ...], int | None]:
-    """Each draft layer's attention type and the sliding window, as transformers' Qwen3Config
-    derives them: ``sliding_window`` only with ``use_sliding_window``; without ``layer_types``
-    a layer slides from ``max_window_layers`` on."""
-    window = lay.get("sliding_window") if lay.bool_("use_sliding_window") else None
+    """Each draft layer's attention type and the sliding window, as transformers' config class
+    derives them. Qwen3Config: ``sliding_window`` only with ``use_sliding_window``; without
+    ``layer_types`` a layer slides from ``max_window_layers`` on. LlamaConfig knows neither
+    key: it keeps both as they are written (and a layer slides only where ``layer_types``
+    says so), which is what speculators reads."""
+    where = f"{lay.prefix}sliding_window"
+    if lay.kind == "llama":
+        window = lay.r.get(where, default=None)
+    else:
+        window = lay.get("sliding_window") if lay.bool_("use_sliding_window") else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        raise DrafterConfigError(
-            f"{source}: transformer_layer_config.sliding_window {window!r} is not an integer",
-            field="transformer_layer_config.sliding_window", value=window)
+        raise DrafterConfigError(f"{source}: {where} {window!r} is not an integer",
+                                 field=where, value=window)
     types = lay.get("layer_types")
     if types is None:
-        first = lay.int_("max_window_layers")
+        first = lay.int_("max_window_layers") if lay.kind != "llama" else num_layers
         types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                  for i in range(num_layers)]
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
         raise DrafterConfigError(
-            f"{source}: transformer_layer_config.layer_types {types!r} is not a list of names",
-            field="transformer_layer_config.layer_types", value=types)
+            f"{source}: {lay.prefix}layer_types {types!r} is not a list of names",
+            field=f"{lay.prefix}layer_types", value=types)
     return tuple(types), window
 
 
-def _rope(r: ConfigReader, layer: Mapping[str, Any], source: str
+def _rope(r: ConfigReader, layer: Mapping[str, Any], source: str, prefix: str = LAYER_PREFIX
           ) -> tuple[str, float, tuple[tuple[str, float], ...]]:
     """(rope_type, rope_theta, scaling parameters) from ``rope_parameters`` (transformers 5;
     a per-layer-type mapping uses its ``sliding_attention`` entry for every layer, as
     speculators does) or ``rope_theta`` / ``rope_scaling`` (transformers 4)."""
-    where = "transformer_layer_config.rope_parameters"
+    where = f"{prefix}rope_parameters"
     params = layer.get("rope_parameters")
     if params is None:
-        where = "transformer_layer_config.rope_scaling"
+        where = f"{prefix}rope_scaling"
         params = dict(layer.get("rope_scaling") or {})
         if layer.get("rope_theta") is not None:
             params["rope_theta"] = layer["rope_theta"]
@@ -646,37 +691,70 @@ class SpeculatorsDrafterModel(DrafterModel):
         causal.masked_fill_(rows.unsqueeze(0) > rows.unsqueeze(1), float("-inf"))  # [N, N]
         return causal.repeat(self.config.num_kv_groups, 1)  # [G*N, N]
 
-    def backbone(self, block_ids: Tensor, block_pos: Tensor, context: ContextSource) -> Tensor:
-        """Final hidden states hf [B, N, d]: the Qwen3 backbone with each layer's
-        visibility (full: every valid context slot and the whole block; sliding: the newest
-        ``sliding_window`` context rows, causal in the block unless non-causal)."""
+    def embed_block(self, block_ids: Tensor) -> Tensor:
+        """The block's input embeddings [B, N, d] (the target's embedding of its ids)."""
+        h: Tensor = self.embed_tokens(block_ids)
+        return h
+
+    def layer_biases(self, context: ContextSource, n: int, device: torch.device
+                     ) -> list[tuple[Tensor, Tensor | None]]:
+        """Each layer's visibility: (context bias [B, 1, 1, S], block bias [G*N, N] or None).
+        full: every valid context slot and the whole block; sliding: the newest
+        ``sliding_window`` context rows, causal in the block unless non-causal."""
         c = self.config
-        b, n = block_ids.shape
+        full = context_bias(context.valid)  # [B, 1, 1, S]
+        if not c.sliding_layers:
+            return [(full, None)] * c.num_hidden_layers
+        sliding = context_bias(context.newest(cast(int, c.sliding_window)))  # [B, 1, 1, S]
+        blk = self.block_mask(n, device)  # [G*N, N] or None
+        return [(sliding, blk) if kind == "sliding_attention" else (full, None)
+                for kind in c.layer_types]
+
+    def attention(self, index: int, layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor,
+                  context: ContextSource, ctx_bias: Tensor, blk_bias: Tensor | None) -> Tensor:
+        """The attention output (o_proj applied) [B, N, d] of ``layer`` (number ``index``) for
+        the block's normed rows x [B, N, d]; cos, sin [B, 1, N, hd]."""
+        c = self.config
+        b, n = x.shape[0], x.shape[1]
         nh, hkv, g, hd = c.num_attention_heads, c.num_key_value_heads, c.num_kv_groups, c.head_dim
-        h = self.embed_tokens(block_ids)  # [B, N, d]
+        attn = layer.self_attn
+        q = attn.q_norm(attn.q_proj(x).view(b, n, nh, hd)).transpose(1, 2)  # [B, H, N, D]
+        q = q * cos + rotate_half(q) * sin  # [B, H, N, D]
+        q = q.reshape(b, hkv, g * n, hd)  # [B, Hkv, G*N, D] (repeat_kv order)
+        k = attn.k_norm(attn.k_proj(x).view(b, n, hkv, hd)).transpose(1, 2)  # [B, Hkv, N, D]
+        k = k * cos + rotate_half(k) * sin  # [B, Hkv, N, D]
+        v = attn.v_proj(x).view(b, n, hkv, hd).transpose(1, 2)  # [B, Hkv, N, D]
+        k_ctx, v_ctx = context.layer(index)  # [B, Hkv, S, D] each
+        out = attend(q, k, v, k_ctx, v_ctx, ctx_bias, self.scaling, blk_bias)  # [B, Hkv, G*N, D]
+        out = out.view(b, nh, n, hd).transpose(1, 2).reshape(b, n, nh * hd)  # [B, N, H*D]
+        o: Tensor = attn.o_proj(out)  # [B, N, d]
+        return o
+
+    def backbone(self, block_ids: Tensor, block_pos: Tensor, context: ContextSource) -> Tensor:
+        """Final hidden states hf [B, N, d]: the Qwen3 backbone with each layer's visibility
+        (:meth:`layer_biases`) and, where a layer has them, the in-block convolutions around
+        its attention and its MLP (``prepare`` before, ``finish`` after)."""
+        n = block_ids.shape[1]
+        h = self.embed_block(block_ids)  # [B, N, d]
         cos, sin = self.rope(block_pos)  # [B, N, hd]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, N, hd]
-        full = context_bias(context.valid)  # [B, 1, 1, S]
-        sliding, blk = full, None
-        if c.sliding_layers:
-            sliding = context_bias(context.newest(cast(int, c.sliding_window)))  # [B, 1, 1, S]
-            blk = self.block_mask(n, block_ids.device)  # [G*N, N] or None
+        biases = self.layer_biases(context, n, block_ids.device)
         for index, layer in enumerate(self.decoder_layers):
-            attn = layer.self_attn
-            slides = c.layer_types[index] == "sliding_attention"
+            ctx_bias, blk_bias = biases[index]
             x = layer.input_layernorm(h)  # [B, N, d]
-            q = attn.q_norm(attn.q_proj(x).view(b, n, nh, hd)).transpose(1, 2)  # [B, H, N, D]
-            q = q * cos + rotate_half(q) * sin  # [B, H, N, D]
-            q = q.reshape(b, hkv, g * n, hd)  # [B, Hkv, G*N, D] (repeat_kv order)
-            k = attn.k_norm(attn.k_proj(x).view(b, n, hkv, hd)).transpose(1, 2)  # [B, Hkv, N, D]
-            k = k * cos + rotate_half(k) * sin  # [B, Hkv, N, D]
-            v = attn.v_proj(x).view(b, n, hkv, hd).transpose(1, 2)  # [B, Hkv, N, D]
-            k_ctx, v_ctx = context.layer(index)  # [B, Hkv, S, D] each
-            out = attend(q, k, v, k_ctx, v_ctx, sliding if slides else full, self.scaling,
-                         blk if slides else None)  # [B, Hkv, G*N, D]
-            out = out.view(b, nh, n, hd).transpose(1, 2).reshape(b, n, nh * hd)  # [B, N, H*D]
-            h = h + attn.o_proj(out)  # [B, N, d]
-            h = h + layer.mlp(layer.post_attention_layernorm(h))  # [B, N, d]
+            conv = layer.attention_conv
+            if conv is None:
+                h = h + self.attention(index, layer, x, cos, sin, context, ctx_bias, blk_bias)
+            else:
+                x, delta = conv.prepare(x)
+                o = self.attention(index, layer, x, cos, sin, context, ctx_bias, blk_bias)
+                h = h + conv.finish(o, delta)  # [B, N, d]
+            y = layer.post_attention_layernorm(h)  # [B, N, d]
+            conv = layer.mlp_conv
+            if conv is None:
+                h = h + layer.mlp(y)  # [B, N, d]
+            else:
+                y, delta = conv.prepare(y)
+                h = h + conv.finish(layer.mlp(y), delta)  # [B, N, d]
         hf: Tensor = self.norm(h)  # [B, N, d]
         return hf
-

@@ -6,7 +6,9 @@ stays on the device: no host synchronisation inside the loop, and no Python bran
 value, so the walk can be captured in a CUDA graph (``step``). ``U`` comes from one LM head GEMM
 in the model dtype, finished to fp32 one position at a time. With ``draft_topk`` k (vLLM's
 ``dspark_draft_topk``) the bias is added to the k best entries of ``U_j`` only and every other
-id counts as -inf (:func:`candidate_position`).
+id counts as -inf (:func:`candidate_position`). A family's own candidate walk
+(``model.walk_candidates``, DFlash2's selector over its ``selector_top_k`` best base logits) runs
+the same path with its head (``model.walk_head``).
 
 A family with a reduced draft vocabulary (``config.draft_vocab`` < ``vocab_size``) picks in the
 draft vocabulary and maps the pick, and every support id with q > 0, to target ids
@@ -61,7 +63,8 @@ def markov_walk(model: DraftModel, hf: Tensor, logits: Tensor | None, anchor_tok
     b, n = hf.shape[0], hf.shape[1] - lead
     group = head_groups(model, b, n)
     head_out = hf  # the current group's LM head output, [B, group, Vd] model dtype
-    head = model.markov_head
+    head = model.walk_head
+    draft_topk = draft_topk or model.walk_candidates  # DFlash2's selector reranks its own k
     conf_head = model.confidence_head
     with_markov = model.config.confidence_head_with_markov
     reduced = model.config.draft_vocab != model.config.vocab_size
@@ -151,7 +154,7 @@ def candidate_position(model: DraftModel, u: Tensor, hf_j: Tensor, prev: Tensor,
 
     -> (greedy id [B], top-2 values [B, 2], support ids, q, dense z (keep_logits), e, state).
     """
-    head = model.markov_head
+    head = model.walk_head
     vocab = u.shape[1]
     base, cand = torch.topk(u, k, dim=-1)  # [B, k] each
     e: Tensor | None = None

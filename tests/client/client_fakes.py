@@ -123,7 +123,7 @@ class FakeWorker:
     def __init__(self, *, unix: bool = False, hello_reply: wire.HelloReply | None = None,
                  hello_status: int | None = None, check_rows: bool = True,
                  margin: bool = True, secret: bytes | None = None,
-                 max_body: int | None = None) -> None:
+                 max_body: int | None = None, reply_flags: int = 0) -> None:
         self.secret = secret
         # Like the worker's --max-frame-bytes: a larger frame is answered ST_BAD_FRAME from its
         # header and the connection closed (unread bytes then reset the sender).
@@ -133,6 +133,7 @@ class FakeWorker:
         self.hello_status = hello_status
         self.check_rows = check_rows
         self.margin = margin
+        self.reply_flags = reply_flags  # more StepReply flags (RPF_NO_CONFIDENCE)
         self.step_hook: Callable[[StepCtx], Action] | None = None
         self.hello_hook: Callable[[wire.AppHeader, wire.Hello], Action] | None = None
         self.sessions: dict[int, FakeSession] = {}
@@ -353,7 +354,8 @@ class FakeWorker:
             return ("send", wire.frame(h.op, h.seq, h.session, b"", status=wire.ST_BAD_FRAME))
         entries = entries_from_view(view.entries)
         self.steps.append((h, entries))
-        flags = (wire.RPF_MARGIN if self.margin else 0) | (wire.RPF_SAMPLED if sampled else 0)
+        flags = ((wire.RPF_MARGIN if self.margin else 0) | (wire.RPF_SAMPLED if sampled else 0)
+                 | self.reply_flags)
         reply = wire.StepReply.empty(view.header.step_id, len(entries), hello.num_spec, flags)
         row_at = 0
         for i, e in enumerate(entries):

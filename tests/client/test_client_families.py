@@ -2,8 +2,8 @@
 on the Gemma4 checkpoint (DeepSpec's tiny vectors drafted over the wire, then greedy and sampled
 rounds checked against the in-process reference), then a fresh worker on the Qwen3 reference
 drafter, then one per speculators checkpoint (``--target-checkpoint`` beside it; speculators'
-own vectors over the wire, then rounds). The engine side builds each HELLO from the checkpoint
-(``hello_from_checkpoint``)."""
+own vectors over the wire, then rounds), then one per shared DFlash checkpoint. The engine
+side builds each HELLO from the checkpoint (``hello_from_checkpoint``)."""
 
 from __future__ import annotations
 
@@ -51,21 +51,24 @@ def rounds_for(endpoint: str, checkpoint: Path, *, sampled: bool, window: int = 
 
 
 def serve_and_check(checkpoint: Path, drafter: Any, cases: list[dict[str, Any]], *,
-                    family: str, window: int = W, target: Path | None = None) -> int:
-    """One fresh worker on ``checkpoint``: the cases, then a few rounds greedy and sampled."""
+                    family: str, window: int = W, target: Path | None = None,
+                    margins: bool = False) -> int:
+    """One fresh worker on ``checkpoint``: the cases (and their margins), then a few rounds
+    greedy and sampled; the client's and each round's ``has_confidence`` are the drafter's."""
     checked = 0
     extra = ("--target-checkpoint", str(target)) if target is not None else ()
     with start_worker("--checkpoint", str(checkpoint), *extra, "--window", str(window),
                       "--max-slots", str(SLOTS), "--max-total-slots", "16", "--device", "cpu",
                       "--cuda-graphs", "auto", timeout=120) as w:
         assert w.endpoint is not None
-        assert f"({family} family)" in w.log_text()
+        assert f"({family} family" in w.log_text()
         assert "drafting eagerly" not in w.log_text()  # on a CPU: nothing to capture, no fallback
         # Qwen3's sampled path over the wire is covered by test_client_worker
         for sampled in (False, True) if cases else (False,):
             client, rounds = rounds_for(w.endpoint, checkpoint, sampled=sampled, window=window,
                                         target=target)
             try:
+                assert client.has_confidence is drafter.has_confidence
                 eng = RealEngine(rounds, drafter, seed=5, sampled=sampled)
                 for slot, case in enumerate(cases if not sampled else []):
                     eng.gen[slot] = 1
@@ -78,10 +81,15 @@ def serve_and_check(checkpoint: Path, drafter: Any, cases: list[dict[str, Any]],
                 if cases and not sampled:
                     reqs, res = eng.run(list(range(len(cases))))
                     assert res.ok, res.reason
+                    assert res.has_confidence is drafter.has_confidence
                     for i, case in enumerate(cases):
                         assert res.draft_ids[i].tolist() == case["ids"]
                         np.testing.assert_allclose(res.confidence[i], case["confidence"],
                                                    atol=1e-4)
+                        if margins:
+                            assert res.margin is not None
+                            np.testing.assert_allclose(res.margin[i], case["margin"],
+                                                       atol=1e-3, rtol=0)
                     # the reference reads min(W, anchor) rows: only where the case has them all
                     if all(len(c["taps"]) >= min(window, c["anchor_pos"]) for c in cases):
                         eng.check(reqs, res)
@@ -95,8 +103,14 @@ def serve_and_check(checkpoint: Path, drafter: Any, cases: list[dict[str, Any]],
                             eng.accept(s, int(eng.rng.integers(0, eng.N)))
                     reqs, res = eng.run(live)
                     assert res.ok, res.reason
+                    assert res.has_confidence is drafter.has_confidence
                     eng.check(reqs, res)
                 checked += eng.checked
+                if not drafter.has_confidence:  # nothing predicted in the client's metrics
+                    from dspark_client import client_metrics
+
+                    assert "dspark_client_acceptance_predicted_total" not in \
+                        client_metrics(client)
             finally:
                 client.close()
     return checked
@@ -135,3 +149,27 @@ def test_speculators_checkpoints_by_fresh_workers(torch_one_thread: Any) -> None
         drafter = load_drafter(checkpoint, target)
         assert serve_and_check(checkpoint, drafter, cases, family="speculators", window=64,
                                target=target) > 30
+
+
+DFLASH = ROOT / "tests" / "worker" / "drafter" / "data" / "dflash_tiny"
+
+
+def test_dflash_checkpoints_by_fresh_workers(torch_one_thread: Any) -> None:
+    """``dspark-worker --checkpoint <DFlash checkpoint> --target-checkpoint <its target>``, one
+    fresh process per shared checkpoint (speculators dflash x2 and dflash2, z-lab legacy and
+    nested): every shared case comes back over the socket (ids exact, margins within 1e-3),
+    then greedy and sampled rounds equal the in-process reference; the client learns from the
+    HELLO that there is no confidence head, and every round says so."""
+    from safetensors.torch import load_file
+
+    from dspark_worker.drafter import load_drafter
+
+    vectors = json.loads((DFLASH / "cases.json").read_text())
+    taps = load_file(str(DFLASH / "taps.safetensors"))
+    for name, info in vectors["checkpoints"].items():
+        cases = [dict(c, taps=taps[c["taps_key"]].float().tolist())
+                 for c in vectors["cases"] if c["checkpoint"] == name]
+        checkpoint, target = DFLASH / name, DFLASH / info["target"]
+        drafter = load_drafter(checkpoint, target, record_identities=False)
+        assert serve_and_check(checkpoint, drafter, cases, family="dflash", window=64,
+                               target=target, margins=True) > 20

@@ -97,6 +97,17 @@ def _hello(drafter: Any, sampled: bool, name: str) -> wire.Hello:
                       markov_identity=drafter.markov_identity, client_name=name)
 
 
+def wait_ready(client: Any, timeout: float = 10.0) -> None:
+    """Until the seed client's HELLO is accepted; never disabled on the way."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not client.ready and time.monotonic() < deadline:
+        assert client.disabled_reason is None, client.disabled_reason
+        time.sleep(0.01)
+    assert client.ready, client.last_error
+
+
 def _rows(drafter: Any, rng: np.random.Generator, n: int) -> np.ndarray:
     from dspark_worker.drafter import encode_bf16_rows
 
@@ -118,12 +129,7 @@ def test_seed_client_hello_and_steps(seed_module: Any, drafter: Any, worker: Wor
     client = seed_module.RemoteDraftClient(cfg, _hello(drafter, sampled, f"seed-{sampled}"),
                                            stats=stats)
     try:
-        import time
-        deadline = time.monotonic() + 10
-        while not client.ready and time.monotonic() < deadline:
-            assert client.disabled_reason is None, client.disabled_reason
-            time.sleep(0.01)
-        assert client.ready, client.last_error
+        wait_ready(client)
         assert stats.get("hellos") == 1 and client.epoch == 1
         rng = np.random.default_rng(5 if sampled else 4)
         N = drafter.num_spec
@@ -236,3 +242,50 @@ def test_seed_client_meets_a_draining_worker(seed_module: Any, drafter: Any) -> 
             client.close()
             keeper.close()
         assert w.proc.wait(30) == 0
+
+
+def test_seed_client_against_a_dflash_worker(seed_module: Any) -> None:
+    """A drafter without a confidence head: the seed ignores CAP_NO_CONFIDENCE and
+    RPF_NO_CONFIDENCE, accepts the replies (confidence 1.0 where drafted, so it verifies whole
+    blocks) and gets the drafts of the DFlash vectors."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from dspark_client.config import RemoteConfig
+    from dspark_client.stats import Stats
+    from dspark_worker.drafter import load_drafter
+    from tests.worker.worker_harness import make_hello, thread_worker
+
+    data = ROOT / "tests" / "worker" / "drafter" / "data" / "dflash_tiny"
+    name = "spec_llama_sliding_reduced"
+    vectors = json.loads((data / "cases.json").read_text())
+    cases = [c for c in vectors["cases"] if c["checkpoint"] == name]
+    taps = load_file(str(data / "taps.safetensors"))
+    rows = np.concatenate([taps[c["taps_key"]].view(torch.int16).numpy().view(np.uint8)
+                           .reshape(c["n_rows"], -1) for c in cases])
+    d = load_drafter(data / name, data / vectors["checkpoints"][name]["target"],
+                     record_identities=False)
+    with thread_worker(d, window=64) as w:
+        host, port = w.address
+        client = seed_module.RemoteDraftClient(
+            RemoteConfig(endpoint=f"tcp://{host}:{port}", connect_timeout_ms=2000,
+                         timeout_ms=5000, backoff_ms=20, backoff_max_ms=200),
+            make_hello(d, window=64, max_slots=4, client_name="seed-dflash"), stats=Stats())
+        try:
+            wait_ready(client)
+            assert client.worker_info.capabilities & wire.CAP_NO_CONFIDENCE
+            entries = [wire.ReqEntry(slot=i, generation=1, anchor_pos=k["anchor_pos"],
+                                     anchor_token=k["anchor_token"], n_rows=k["n_rows"],
+                                     flags=wire.RF_NEED_DRAFT | wire.RF_RESET)
+                       for i, k in enumerate(cases)]
+            out = client.step(bytearray(1 << 16), entries, rows.shape[0], 1,
+                              epoch=client.epoch, rows=np.ascontiguousarray(rows))
+            assert out.ok, out.reason
+            assert out.reply.flags & wire.RPF_NO_CONFIDENCE
+            for i, k in enumerate(cases):
+                assert out.reply.draft_ids[i].tolist() == k["ids"]
+                assert out.reply.confidence[i].tolist() == [1.0] * d.num_spec
+        finally:
+            client.close()

@@ -156,6 +156,28 @@ def support_q(r: DraftResult) -> list[dict[int, int]]:
                                                                                       strict=True)]
 
 
+def with_static_step(d: Drafter, pool: Any, largest: int = 8, draft_topk: int = 0) -> Drafter:
+    """The same model with its own bucketed static step over ``pool``, self-checked."""
+    s = d.with_draft_topk(draft_topk)
+    report = s.prepare_graphs(pool, largest, replay=CountingReplay)
+    assert report.fallback is None, report.fallback
+    assert s.graphs is not None and report.graphs == 2 * len(report.buckets)
+    return s
+
+
+def static_and_eager(s: Drafter, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """One draft through the static step (checked to be taken), then the same eagerly."""
+    before = CountingReplay.count
+    got = s.draft(*args, **kwargs)
+    assert CountingReplay.count == before + 1, "the static step was not taken"
+    graphs, s.graphs = s.graphs, None
+    try:
+        want = s.draft(*args, **kwargs)
+    finally:
+        s.graphs = graphs
+    return got, want
+
+
 def refuse_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every way to read a tensor's value on the host (what a CUDA graph cannot capture)
     raises until ``monkeypatch`` undoes it."""
@@ -165,3 +187,20 @@ def refuse_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     for attr in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
                  "cpu"):
         monkeypatch.setattr(torch.Tensor, attr, refuse)
+
+
+# -- config.json edits ----------------------------------------------------------------------------
+
+DROP = object()  # set_key's value that removes the key
+
+
+def set_key(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """``raw[a][b][c] = value`` for ``dotted`` ``"a.b.c"`` (``DROP``: delete it)."""
+    node = raw
+    *path, last = dotted.split(".")
+    for part in path:
+        node = node[part]
+    if value is DROP:
+        del node[last]
+    else:
+        node[last] = value

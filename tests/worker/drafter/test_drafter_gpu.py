@@ -150,6 +150,12 @@ SPECULATORS_TINY = Path(__file__).resolve().parent / "data" / "speculators_tiny"
 SPECULATORS_GRAPHED = ("rnn_bonus_reduced_causal", "gated_bonus_full_sliding")
 
 
+DFLASH_TINY = Path(__file__).resolve().parent / "data" / "dflash_tiny"
+# DFlash checkpoints with the most to capture: DFlash2's convolutions and selector, z-lab's
+# per-query sliding window with its scales and softcap.
+DFLASH_GRAPHED = {"spec_dflash2_b5": "target", "extra_zlab2_scaled_yarn": "target_tied"}
+
+
 def family_on_cuda(family: str, dtype: torch.dtype) -> Drafter:
     from dspark_worker.drafter import load_drafter
 
@@ -157,11 +163,14 @@ def family_on_cuda(family: str, dtype: torch.dtype) -> Drafter:
         return cuda_drafter(dtype)
     if family == "gemma4":
         return load_drafter(GEMMA4_TINY, device="cuda", dtype=dtype)
+    if family in DFLASH_GRAPHED:
+        return load_drafter(DFLASH_TINY / family, DFLASH_TINY / DFLASH_GRAPHED[family],
+                            device="cuda", dtype=dtype, record_identities=False)
     return load_drafter(SPECULATORS_TINY / family, SPECULATORS_TINY / "target", device="cuda",
                         dtype=dtype)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma4", *SPECULATORS_GRAPHED])
+@pytest.mark.parametrize("family", ["qwen3", "gemma4", *SPECULATORS_GRAPHED, *DFLASH_GRAPHED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_capture_check_and_equal_eager(dtype: torch.dtype, family: str) -> None:
     """Every bucket captures and passes the start-up self-check (graph replay against the eager
@@ -245,3 +254,35 @@ def test_cuda_graphs_of_the_candidate_walk(family: str) -> None:
     report = gpu.prepare_graphs(pool, 8)
     assert report.fallback is None, report.fallback
     assert report.graphs == 8 and gpu.graphs is not None
+
+
+def test_cuda_fp32_drafts_the_dflash_vectors() -> None:
+    """fp32 on CUDA drafts every DFlash case (ids exact, margins within 1e-3), eager and through
+    the captured graphs."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from dspark_worker.drafter import load_drafter
+
+    for suffix in ("", "_extra"):
+        vectors = json.loads((DFLASH_TINY / f"cases{suffix}.json").read_text())
+        taps = load_file(str(DFLASH_TINY / f"taps{suffix}.safetensors"))
+        for name, info in vectors["checkpoints"].items():
+            cases = [c for c in vectors["cases"] if c["checkpoint"] == name]
+            gpu = load_drafter(DFLASH_TINY / name, DFLASH_TINY / info["target"], device="cuda",
+                               dtype=torch.float32, record_identities=False)
+            pool = gpu.new_pool(len(cases), 32)
+            assert gpu.prepare_graphs(pool, 4).fallback is None
+            lanes = pool.allocate(len(cases))
+            rows = np.concatenate([taps[c["taps_key"]].view(torch.int16).numpy().view(np.uint8)
+                                   .reshape(c["n_rows"], -1) for c in cases])
+            anchors = [c["anchor_pos"] for c in cases]
+            pool.apply(lanes, anchors, [c["n_rows"] for c in cases], [True] * len(cases), rows)
+            graphs = gpu.graphs
+            for g in (graphs, None):
+                gpu.graphs = g
+                got = gpu.draft(pool, lanes, anchors, [c["anchor_token"] for c in cases])
+                for i, c in enumerate(cases):
+                    assert got.draft_ids[i].tolist() == c["ids"], (name, c["case"])
+                    np.testing.assert_allclose(got.margin[i], c["margin"], atol=1e-3, rtol=0)

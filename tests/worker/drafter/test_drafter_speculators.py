@@ -24,13 +24,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from drafter_support import (
-    CountingReplay,
+    DROP,
     assert_same,
     bf16_taps,
     check_bf16_many_lanes,
     check_sampled,
     params,
     refuse_host_reads,
+    set_key,
+    static_and_eager,
+    with_static_step,
 )
 from safetensors.torch import load_file, save_file
 
@@ -549,27 +552,16 @@ def test_detection_and_missing_keys_take_speculators_defaults() -> None:
     assert parse_config(raw) == parse_config(raw_config("rnn_anchor_reduced_mixed_noconf"))
 
 
-def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
-    node = raw
-    *path, last = dotted.split(".")
-    for part in path:
-        node = node[part]
-    if value is _DROP:
-        del node[last]
-    else:
-        node[last] = value
-
-
-_DROP = object()
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
+    # the dflash family serves these, and a DSpark checkpoint is not one of theirs
     ("speculators_model_type", "dflash",
-     "speculators_model_type 'dflash' is not supported .a DFlash drafter: no Markov or"
-     r" confidence head.*\['dspark'\]"),
-    ("speculators_model_type", "dflash2", "speculators_model_type 'dflash2' is not supported"
-     " .a DFlash2 drafter"),
-    ("transformer_layer_config", _DROP, "transformer_layer_config None is missing"),
+     r"architectures \['DSparkDraftModel'\] is not supported \(a DFlash drafter of this format"
+     r" has \['DFlashDraftModel'\]\)"),
+    ("speculators_model_type", "dflash2", r"a DFlash2 drafter of this format has"
+     r" \['DFlash2DraftModel'\]"),
+    ("transformer_layer_config", DROP, "transformer_layer_config None is missing"),
     ("transformer_layer_config.model_type", "mistral",
      r"transformer_layer_config.model_type 'mistral' is not supported \(one of \['qwen3',"
      r" 'llama'\]\)"),
@@ -605,12 +597,12 @@ _DROP = object()
      r".vocab_size 300\]"),
     ("aux_hidden_state_layer_ids", [5, 2], r"aux_hidden_state_layer_ids \[5, 2\] must be"
      " strictly increasing HF hidden_states indices"),
-    ("aux_hidden_state_layer_ids", _DROP, "aux_hidden_state_layer_ids is missing"),
+    ("aux_hidden_state_layer_ids", DROP, "aux_hidden_state_layer_ids is missing"),
     ("mask_token_id", 300, r"mask_token_id 300 is outside \[0, vocab_size 300\)"),
 ])
 def test_config_refusals(key: str, value: Any, message: str) -> None:
     raw = raw_config()
-    _set(raw, key, value)
+    set_key(raw, key, value)
     with pytest.raises(DrafterConfigError, match=message):
         parse_config(raw)
 
@@ -758,13 +750,18 @@ def test_hello_from_a_speculators_checkpoint(drafters: dict[str, Drafter]) -> No
         hello_from_checkpoint(DATA / "vanilla_anchor_reduced", window=32, max_slots=4)
 
 
-def test_hello_refuses_dflash(tmp_path: Path) -> None:
+def test_hello_reads_a_dflash_config_with_its_defaults(tmp_path: Path) -> None:
+    """speculators_model_type dflash: sample_from_anchor defaults to false there (N = B - 1),
+    where DSpark's default is true (N = B)."""
     ckpt = copy_checkpoint(tmp_path)
     raw = copy.deepcopy(raw_config())
+    del raw["sample_from_anchor"], raw["speculators_config"]
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    dspark = hello_from_checkpoint(ckpt, window=32, max_slots=4, target_checkpoint=TARGET)
     raw["speculators_model_type"] = "dflash"
     (ckpt / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="speculators_model_type 'dflash' is not a DSpark"):
-        hello_from_checkpoint(ckpt, window=32, max_slots=4, target_checkpoint=TARGET)
+    dflash = hello_from_checkpoint(ckpt, window=32, max_slots=4, target_checkpoint=TARGET)
+    assert (dspark.num_spec, dflash.num_spec) == (raw["block_size"], raw["block_size"] - 1)
 
 
 # -- CUDA (skipped without a GPU) -----------------------------------------------------------------
@@ -812,28 +809,6 @@ def test_other_speculators_formats_are_refused_by_name() -> None:
 
 
 # -- the bucketed static step (what a CUDA graph captures; the CPU stand-in replay here) --------
-
-
-def with_static_step(d: Drafter, pool: Any, largest: int = 8, draft_topk: int = 0) -> Drafter:
-    """The same model with its own bucketed static step over ``pool``, self-checked."""
-    s = d.with_draft_topk(draft_topk)
-    report = s.prepare_graphs(pool, largest, replay=CountingReplay)
-    assert report.fallback is None, report.fallback
-    assert s.graphs is not None and report.graphs == 2 * len(report.buckets)
-    return s
-
-
-def static_and_eager(s: Drafter, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """One draft through the static step (checked to be taken), then the same eagerly."""
-    before = CountingReplay.count
-    got = s.draft(*args, **kwargs)
-    assert CountingReplay.count == before + 1, "the static step was not taken"
-    graphs, s.graphs = s.graphs, None
-    try:
-        want = s.draft(*args, **kwargs)
-    finally:
-        s.graphs = graphs
-    return got, want
 
 
 def in_target_vocabulary(d: Drafter, ids: np.ndarray) -> bool:
