@@ -31,15 +31,18 @@ go only to its own connection)::
       "device": str, "dtype": str,
       "geometry": {"window": W, "num_spec": N, "row_bytes": int, "vocab_size": int,
                    "n_taps": int, "hidden": int, "capabilities": int},
-      "drafter_identity": hex, "markov_identity": hex,
+      "drafter_identity": hex, "markov_identity": hex, "drafter_name": str,
       "confidence_head": bool (false: confidences predict nothing, CAP_NO_CONFIDENCE),
+      "versions": [{"version": int, "name": str, "role": "newest" | "older" | "unloaded",
+                    "source": str, "loaded_at": float, "sessions": int,
+                    "drafter_identity": hex, "markov_identity": hex, "weights_bytes": int}],
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
                  "max_connections", "max_frame_bytes", "session_idle_s",
                  "partial_frame_timeout_s", "handshake_timeout_s", "connection_idle_s",
                  "shed_queue_steps"},
       "threads": int, "connections": int, "queue_steps": int,
       "sessions": [{"label": str, "session": int (own only), "client_name": str (own only),
-                    "sample_mode": "greedy" | "top32", "synthetic": bool,
+                    "version": int, "sample_mode": "greedy" | "top32", "synthetic": bool,
                     "max_slots": int, "slots_in_use": int, "connected": bool,
                     "age_s": float, "idle_s": float, "steps": int, "rows": int,
                     "drafted_positions": int, "acceptance": ACCEPTANCE}],
@@ -82,7 +85,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 import numpy as np
@@ -142,6 +145,7 @@ from .metrics import Metrics
 from .runner import LaneOp, NonFiniteOutput, Runner, StepItem, reply_bytes
 from .sessions import DropReason, Outcome, Session, SessionTable, plan_step
 from .shm import ShmOps
+from .versions import Version, Versions, make_version
 
 log = logging.getLogger(__name__)
 
@@ -289,8 +293,12 @@ class Dispatcher:
                  max_frame_bytes: int | None = None,
                  stats_extra: Callable[[], dict[str, Any]] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 shm: ShmOps | None = None) -> None:
-        self.info = info
+                 shm: ShmOps | None = None, versions: Versions | None = None) -> None:
+        # The drafter versions; the newest's WorkerInfo is ``info`` (every version has the
+        # same geometry and limits; only the identities differ).
+        self.versions = versions if versions is not None else Versions(
+            make_version(1, runner.drafter, runner.pool, info))
+        self.info = cast(WorkerInfo, self.versions.newest.info)
         # The frame body limit in force: a HELLO whose largest STEP is over it is refused.
         self.max_frame_bytes = max_frame_bytes
         # Key of the session labels in STATS: a stranger can neither read an id from a label
@@ -333,7 +341,7 @@ class Dispatcher:
         # peer host -> (window start, HELLOs whose tag did not verify since)
         self._auth_failures: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._dropped_counts: dict[str, int] = {}
-        self._hello_reply_ok: dict[tuple[bool, int], bytes] = {}
+        self._hello_reply_ok: dict[tuple[int, bool, int], bytes] = {}
         self.acceptance = WorkerAcceptance(info.num_spec, metrics.registry,
                                            has_confidence=info.has_confidence)
         # Gauges read when scraped: nothing to keep up to date per frame.
@@ -342,6 +350,15 @@ class Dispatcher:
         metrics.window_memory_used.set_function(
             lambda: table.lanes_reserved * info.bytes_per_slot)
         metrics.queue_steps.set_function(lambda: runner.queued_steps)
+
+    def add_version(self, version: Version) -> None:
+        """Make ``version`` the newest: it serves HELLOs that follow the worker, and its
+        values are what refused HELLOs are answered with."""
+        for gone in self.versions.add(version):
+            self.state_version += 1
+            log.debug("version %d left with its last session", gone.number)
+        self.info = cast(WorkerInfo, version.info)
+        self.state_version += 1
 
     # -- the boundary -----------------------------------------------------------------------------
     def handle(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply | None:
@@ -452,7 +469,7 @@ class Dispatcher:
                                limit=VERSION)
         if not verify_hello(self.secret, h.session, h.seq, hello):
             raise AuthError("HELLO authentication tag does not verify", field="auth_tag")
-        self._check_identities(hello)
+        version = self._version_for(hello)
         self._check_geometry(hello)
         self._check_limits(hello)
         now = self.clock()
@@ -480,31 +497,44 @@ class Dispatcher:
         s = result.session
         conn.session_id = s.session_id
         if result.outcome is not Outcome.RESUMED:
+            s.version = version
+            self.versions.session_added(version)
             self.runner.submit(LaneOp("allocate", s))
-        log.info("session %#010x %s: client %r from %s, %d slots, %s%s, seq %d, label %s",
-                 s.session_id, result.outcome.value, s.client_name, conn.peer, s.max_slots,
-                 SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"),
+        v = s.version if s.version is not None else version
+        log.info("session %#010x %s: client %r from %s, %d slots, %s%s, seq %d, label %s,"
+                 " version %d %s", s.session_id, result.outcome.value, s.client_name, conn.peer,
+                 s.max_slots, SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"),
                  ", synthetic (kept out of acceptance)" if s.synthetic else "", h.seq,
-                 self.session_label(s.session_id))
+                 self.session_label(s.session_id), v.number, v.name)
         resumed = result.outcome is Outcome.RESUMED
         # CAP_SHM_ROWS only where a region can work: a Unix connection to a worker with a limit.
         caps = (CAP_SHM_ROWS if self.shm.max_region_bytes and getattr(conn, "kind", "") == "unix"
                 else 0)
-        body = self._hello_reply_ok.get((resumed, caps))
+        key = (v.number, resumed, caps)
+        body = self._hello_reply_ok.get(key)
         if body is None:
-            body = self._hello_reply_ok[(resumed, caps)] = self.info.hello_reply(
-                resumed, caps).pack()
+            if len(self._hello_reply_ok) > 64:  # versions come and go: keep it small
+                self._hello_reply_ok.clear()
+            body = self._hello_reply_ok[key] = v.info.hello_reply(resumed, caps).pack()
         return self._ok(h, body)
 
-    def _check_identities(self, hello: Hello) -> None:
-        i = self.info
-        for name, theirs, ours in (("drafter_identity", hello.drafter_identity,
-                                    i.drafter_identity),
-                                   ("markov_identity", hello.markov_identity, i.markov_identity)):
-            if len(theirs) != IDENTITY_BYTES or theirs != ours:
-                raise IdentityError(f"HELLO {name} {_hex8(theirs)}... is not the worker's"
-                                    f" {_hex8(ours)}...", field=name, value=theirs.hex(),
-                                    limit=ours.hex())
+    def _version_for(self, hello: Hello) -> Version:
+        """The version whose identities the HELLO names (a session keeps it for its life)."""
+        found = None
+        if len(hello.drafter_identity) == IDENTITY_BYTES and \
+                len(hello.markov_identity) == IDENTITY_BYTES:
+            found = self.versions.find(hello.drafter_identity, hello.markov_identity)
+        if found is not None:
+            return found
+        newest = self.versions.newest
+        loaded = ", ".join(f"{v.name} ({_hex8(v.drafter_identity)}...)" for v in self.versions)
+        name, theirs, ours = (
+            ("drafter_identity", hello.drafter_identity, newest.drafter_identity)
+            if hello.drafter_identity != newest.drafter_identity
+            else ("markov_identity", hello.markov_identity, newest.markov_identity))
+        raise IdentityError(f"HELLO {name} {_hex8(theirs)}... is not the worker's"
+                            f" {_hex8(ours)}... (versions loaded: {loaded})", field=name,
+                            value=theirs.hex(), limit=ours.hex())
 
     def _check_geometry(self, hello: Hello) -> None:
         i = self.info
@@ -732,6 +762,8 @@ class Dispatcher:
         """After the table let ``s`` go: free its lanes in order with the STEPs, account."""
         self.state_version += 1
         self.runner.submit(LaneOp("free", s))
+        if s.version is not None:
+            self.versions.session_gone(s.version)
         self.acceptance.forget(s)
         self.session_left(s.conn_id)
         self.metrics.sessions_dropped.labels(reason=reason.value).inc()
@@ -767,6 +799,7 @@ class Dispatcher:
                 entry["session"] = s.session_id
                 entry["client_name"] = s.client_name
             entry.update({
+                "version": s.version.number if s.version is not None else None,
                 "sample_mode": SAMPLE_MODE_NAMES.get(s.hello.sample_mode, "?"),
                 "synthetic": s.synthetic,
                 "max_slots": s.max_slots, "slots_in_use": s.n_live,
@@ -793,7 +826,9 @@ class Dispatcher:
                          "capabilities": i.capabilities},
             "drafter_identity": i.drafter_identity.hex(),
             "markov_identity": i.markov_identity.hex(),
+            "drafter_name": self.versions.newest.name,
             "confidence_head": i.has_confidence,
+            "versions": [self.version_summary(v) for v in self.versions.kept.values()],
             "limits": dict(i.limits),
             "queue_steps": self.runner.queued_steps,
             "sessions": sessions,
@@ -803,6 +838,17 @@ class Dispatcher:
         if self.stats_extra is not None:
             out.update(self.stats_extra())
         return out
+
+
+    def version_summary(self, v: Version) -> dict[str, Any]:
+        newest = self.versions.newest
+        return {"version": v.number, "name": v.name,
+                "role": "newest" if v is newest else "older" if v.loaded else "unloaded",
+                "source": v.source, "loaded_at": round(v.loaded_at, 3),
+                "sessions": v.sessions if v.loaded else 0,
+                "drafter_identity": v.drafter_identity.hex(),
+                "markov_identity": v.markov_identity.hex(),
+                "weights_bytes": v.weights_bytes if v.loaded else 0}
 
 
 def rss_bytes() -> int:

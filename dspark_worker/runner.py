@@ -117,7 +117,19 @@ class LaneOp:
         self.slots = slots
 
 
-Op = StepItem | LaneOp
+class DeviceCall:
+    """A function to run on the device thread in order with the STEPs (freeing the memory of a
+    version whose last session's lanes were just freed). What it raises is logged."""
+
+    __slots__ = ("args", "fn", "session")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.fn = fn
+        self.args = args
+        self.session = None
+
+
+Op = StepItem | LaneOp | DeviceCall
 
 
 class Runner:
@@ -169,6 +181,9 @@ class Runner:
                     on_death(exc)
 
         self._task.add_done_callback(died)
+
+    def submit_call(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.submit(DeviceCall(fn, *args))
 
     def submit(self, op: Op) -> None:
         self._queue.append(op)
@@ -286,6 +301,12 @@ class Runner:
             if isinstance(op, LaneOp):
                 self._lane_op(op)
                 continue
+            if isinstance(op, DeviceCall):
+                try:
+                    op.fn(*op.args)
+                except Exception:
+                    log.exception("device call %s failed", getattr(op.fn, "__name__", op.fn))
+                continue
             if op.skipped:
                 continue
             t = time.perf_counter()
@@ -311,19 +332,26 @@ class Runner:
             if isinstance(op, StepItem):
                 op.t_exec0, op.t_exec1 = t_exec0, t_exec1
 
+    def _drafter_of(self, s: Session) -> tuple[Any, Any]:
+        """The drafter and ring pool of the session's version (the runner's own for a session
+        made without one)."""
+        v = s.version
+        return (self.drafter, self.pool) if v is None else (v.drafter, v.pool)
+
     def _lane_op(self, op: LaneOp) -> None:
         s = op.session
+        pool = self._drafter_of(s)[1]
         try:
             if op.kind == "allocate":
-                s.lanes = self.pool.allocate(s.max_slots)
+                s.lanes = pool.allocate(s.max_slots)
             elif s.lanes is None:
                 return
             elif op.kind == "free":
-                self.pool.free(s.lanes)
+                pool.free(s.lanes)
                 s.lanes = None
             elif op.kind == "release":
                 lanes = s.lanes if op.slots is None else s.lanes[op.slots]
-                self.pool.release(lanes)
+                pool.release(lanes)
         except Exception:
             # The session's STEPs will find no lanes and be answered ST_INTERNAL.
             log.exception("ring %s for session %#010x failed", op.kind, s.session_id)
@@ -331,6 +359,7 @@ class Runner:
     def _apply(self, item: StepItem) -> None:
         """7.2 steps 4 and 5 for one STEP."""
         s, plan = item.session, item.plan
+        pool = self._drafter_of(s)[1]
         lanes_all = s.lanes
         if lanes_all is None:
             raise InternalError(f"session {s.session_id:#010x} holds no ring lanes")
@@ -351,10 +380,10 @@ class Runner:
                                        in zip(ends, counts, applied, strict=True) if a and c]
                                       or [np.zeros(0, dtype=np.int64)])
                 rows = rows[keep]
-            self.pool.apply(lanes, anchor[pick], counts[pick], plan.reset[pick], rows)
-            wr[pick] = self.pool.window_rows(lanes, anchor[pick])
+            pool.apply(lanes, anchor[pick], counts[pick], plan.reset[pick], rows)
+            wr[pick] = pool.window_rows(lanes, anchor[pick])
         if not plan.steady and plan.release.any():
-            self.pool.release(lanes_all[plan.slots[plan.release]])
+            pool.release(lanes_all[plan.slots[plan.release]])
         expected = np.minimum(anchor, self.window)
         wr = np.minimum(wr, expected)
         need = plan.need_draft
@@ -380,12 +409,20 @@ class Runner:
         item.drafting = np.flatnonzero(drafting)
 
     def _draft_all(self, items: list[StepItem]) -> None:
-        """One drafter call for every drafting entry of the batch; split the result back."""
+        """One drafter call per version for every drafting entry of the batch (one call in
+        all, but while a reload's old and new versions both serve); split the results back."""
         self.last_batch_steps = len(items)
         self.last_batch_entries = int(sum(it.drafting.size for it in items))
         self.batch_log.append((self.last_batch_steps, self.last_batch_entries))
         if not items:
             return
+        groups: dict[int, list[StepItem]] = {}
+        for item in items:
+            groups.setdefault(id(item.session.version), []).append(item)
+        for group in groups.values():
+            self._draft_group(group)
+
+    def _draft_group(self, items: list[StepItem]) -> None:
         t = time.perf_counter()
         try:
             result = self._draft(items)
@@ -441,9 +478,9 @@ class Runner:
                     temperature=column("temperature", np.float32),
                     top_p=column("top_p", np.float32), seed=column("seed", np.uint64),
                     generation=column("generation", np.uint32))
-        return self.drafter.draft(self.pool, joined(lanes).astype(np.int64, copy=False),
-                                  joined(anchor), joined(token), self.num_spec,
-                                  sampling=sampling)
+        drafter, pool = self._drafter_of(items[0].session)  # one version (_draft_all)
+        return drafter.draft(pool, joined(lanes).astype(np.int64, copy=False),
+                             joined(anchor), joined(token), self.num_spec, sampling=sampling)
 
     @staticmethod
     def _split(result: Any, items: list[StepItem]) -> None:
