@@ -35,7 +35,8 @@ go only to its own connection)::
       "confidence_head": bool (false: confidences predict nothing, CAP_NO_CONFIDENCE),
       "versions": [{"version": int, "name": str, "role": "newest" | "older" | "unloaded",
                     "source": str, "loaded_at": float, "sessions": int,
-                    "drafter_identity": hex, "markov_identity": hex, "weights_bytes": int}],
+                    "drafter_identity": hex, "markov_identity": hex, "weights_bytes": int,
+                    "acceptance": ACCEPTANCE}],
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
                  "max_connections", "max_frame_bytes", "session_idle_s",
                  "partial_frame_timeout_s", "handshake_timeout_s", "connection_idle_s",
@@ -90,6 +91,7 @@ from typing import Any, Protocol, cast
 import msgspec
 import numpy as np
 
+from protocol.acceptance import AcceptanceTotals
 from protocol.auth import verify_hello
 from protocol.constants import (
     APP_HEADER_SIZE,
@@ -344,6 +346,8 @@ class Dispatcher:
         self._hello_reply_ok: dict[tuple[int, bool, int], bytes] = {}
         self.acceptance = WorkerAcceptance(info.num_spec, metrics.registry,
                                            has_confidence=info.has_confidence)
+        for v in self.versions:
+            self.acceptance.version_added(v)
         # Gauges read when scraped: nothing to keep up to date per frame.
         metrics.sessions.set_function(lambda: len(table))
         metrics.active_slots.set_function(lambda: table.active_slots)
@@ -354,9 +358,8 @@ class Dispatcher:
     def add_version(self, version: Version) -> None:
         """Make ``version`` the newest: it serves HELLOs that follow the worker, and its
         values are what refused HELLOs are answered with."""
-        for gone in self.versions.add(version):
-            self.state_version += 1
-            log.debug("version %d left with its last session", gone.number)
+        self.versions.add(version)
+        self.acceptance.version_added(version)
         self.info = cast(WorkerInfo, version.info)
         self.state_version += 1
 
@@ -828,7 +831,7 @@ class Dispatcher:
             "markov_identity": i.markov_identity.hex(),
             "drafter_name": self.versions.newest.name,
             "confidence_head": i.has_confidence,
-            "versions": [self.version_summary(v) for v in self.versions.kept.values()],
+            "versions": self.versions_summary(),
             "limits": dict(i.limits),
             "queue_steps": self.runner.queued_steps,
             "sessions": sessions,
@@ -840,15 +843,20 @@ class Dispatcher:
         return out
 
 
-    def version_summary(self, v: Version) -> dict[str, Any]:
+    def versions_summary(self) -> list[dict[str, Any]]:
+        """The kept versions, loaded or not, for STATS."""
         newest = self.versions.newest
-        return {"version": v.number, "name": v.name,
-                "role": "newest" if v is newest else "older" if v.loaded else "unloaded",
-                "source": v.source, "loaded_at": round(v.loaded_at, 3),
-                "sessions": v.sessions if v.loaded else 0,
-                "drafter_identity": v.drafter_identity.hex(),
-                "markov_identity": v.markov_identity.hex(),
-                "weights_bytes": v.weights_bytes if v.loaded else 0}
+        accepted = self.acceptance.by_version()
+        empty = AcceptanceTotals(self.info.num_spec)
+        return [{"version": v.number, "name": v.name,
+                 "role": "newest" if v is newest else "older" if v.loaded else "unloaded",
+                 "source": v.source, "loaded_at": round(v.loaded_at, 3),
+                 "sessions": v.sessions if v.loaded else 0,
+                 "drafter_identity": v.drafter_identity.hex(),
+                 "markov_identity": v.markov_identity.hex(),
+                 "weights_bytes": v.weights_bytes if v.loaded else 0,
+                 "acceptance": accepted.get(v.number, ("", empty))[1].summary()}
+                for v in self.versions.kept.values()]
 
 
 def rss_bytes() -> int:

@@ -59,6 +59,7 @@ class Version:
     source: str
     loaded_at: float  # Unix time
     weights_bytes: int
+    has_confidence: bool = True  # False: a drafter without a confidence head
     sessions: int = 0
     loaded: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -126,7 +127,8 @@ def make_version(number: int, drafter: Any, pool: Any, base_info: Any) -> Versio
     return Version(number=number, name=version_name(source, d_id, m_id), drafter=drafter,
                    pool=pool, info=replace(base_info, drafter_identity=d_id,
                                            markov_identity=m_id),
-                   source=source, loaded_at=time.time(), weights_bytes=weights_bytes(drafter))
+                   source=source, loaded_at=time.time(), weights_bytes=weights_bytes(drafter),
+                   has_confidence=bool(getattr(drafter, "has_confidence", True)))
 
 
 class Versions:
