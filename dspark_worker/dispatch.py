@@ -98,6 +98,7 @@ from protocol.constants import (
     CAP_NO_CONFIDENCE,
     CAP_SHM_ROWS,
     FRAME_STATUS_NAMES,
+    HF_FOLLOW,
     IDENTITY_BYTES,
     OP_GOODBYE,
     OP_HELLO,
@@ -522,7 +523,16 @@ class Dispatcher:
         return self._ok(h, body)
 
     def _version_for(self, hello: Hello) -> Version:
-        """The version whose identities the HELLO names (a session keeps it for its life)."""
+        """The version whose identities the HELLO names, or with HF_FOLLOW the newest (6.5);
+        a session keeps it for its life."""
+        if hello.flags & HF_FOLLOW:
+            for name in ("drafter_identity", "markov_identity"):
+                if any(getattr(hello, name)):
+                    raise BadFrameError(f"HELLO with HF_FOLLOW names a {name}"
+                                        f" ({_hex8(getattr(hello, name))}...); it asks for"
+                                        " whatever the worker serves and carries zeros",
+                                        field=name, value=getattr(hello, name).hex())
+            return self.versions.newest
         found = None
         if len(hello.drafter_identity) == IDENTITY_BYTES and \
                 len(hello.markov_identity) == IDENTITY_BYTES:

@@ -38,7 +38,9 @@ import numpy.typing as npt
 
 from protocol.constants import (
     APP_HEADER_SIZE,
+    HF_FOLLOW,
     RPF_MARGIN,
+    RPF_NEWER_DRAFTER,
     RPF_NO_CONFIDENCE,
     RPF_SAMPLED,
     RS_NO_WINDOW,
@@ -496,7 +498,12 @@ class Runner:
         s, plan, N = item.session, item.plan, self.num_spec
         if item.status is None or item.window_rows is None:  # pragma: no cover - by _apply
             raise InternalError("STEP reached encode without statuses")
-        flags = self._reply_flags | (RPF_SAMPLED if s.sampled else 0)
+        v = s.version
+        flags = (self._reply_flags if v is None else
+                 RPF_MARGIN | (0 if v.has_confidence else RPF_NO_CONFIDENCE))
+        flags |= RPF_SAMPLED if s.sampled else 0
+        if v is not None and v.superseded and s.hello.flags & HF_FOLLOW:
+            flags |= RPF_NEWER_DRAFTER  # 6.5: its client moves to the newest version
         n = plan.slots.size
         reply = StepReply.into(item.reply_buf, APP_HEADER_SIZE, int(item.view.header.step_id),
                                n, N, flags)

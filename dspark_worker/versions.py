@@ -62,6 +62,7 @@ class Version:
     has_confidence: bool = True  # False: a drafter without a confidence head
     sessions: int = 0
     loaded: bool = True
+    superseded: bool = False  # another version serves new HELLOs (RPF_NEWER_DRAFTER)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -170,6 +171,8 @@ class Versions:
         if version in self.loaded:
             self.loaded.remove(version)
         self.loaded.append(version)
+        before.superseded = before is not version
+        version.superseded = False
         self.kept[version.number] = version
         self.kept.move_to_end(version.number)
         while len(self.kept) > VERSIONS_KEPT:
