@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from protocol.constants import CAP_MARGIN, CAP_NO_CONFIDENCE, CAP_TAPS_BF16, CAP
 
 from . import __version__
 from .buffers import BufferPool, pinned_factory
+from .canary import Canary, CanaryFamilies, canary_lanes
 from .config import (
     WorkerConfig,
     config_warnings,
@@ -52,9 +54,12 @@ from .versions import (
     ReloadOutcome,
     Version,
     Versions,
+    failure_words,
     geometry_problem,
     loader_thread,
     make_version,
+    version_name,
+    weights_bytes,
 )
 
 log = logging.getLogger("dspark_worker")
@@ -359,7 +364,17 @@ class WorkerApp:
                                      stats_extra=self._stats_extra, shm=shm,
                                      versions=self.versions)
         holder["d"] = self.dispatcher
-        self.reloader = Reloader({"drafter": self._reload_drafter}, self._reloaded)
+        steps = {"drafter": self._reload_drafter}
+        if c.canary_checkpoint:
+            steps["canary"] = self._load_canary
+            try:
+                await self._load_canary()
+            except Exception as exc:
+                raise StartupError(f"cannot load the canary ({c.canary_checkpoint}):"
+                                   f" {failure_words(exc)}") from exc
+        self.runner.shadow = lambda: self.dispatcher.canary if self.dispatcher else None
+        self.registry.register(CanaryFamilies(lambda: self.canary))
+        self.reloader = Reloader(steps, self._reloaded)
         self.dispatcher.outputs_broken = broken
         self.runner.start(on_death=self._runner_died)
         factory = pinned_factory() if device.startswith("cuda") else bytearray
@@ -413,15 +428,65 @@ class WorkerApp:
                                  drafter_identity=newest.drafter_identity.hex(),
                                  markov_identity=newest.markov_identity.hex()).set(1)
 
+    @property
+    def canary(self) -> Canary | None:
+        return self.dispatcher.canary if self.dispatcher is not None else None
+
     def _version_rows(self) -> list[tuple[str, str, str, str, str, int, int]]:
         """For ``VersionFamilies`` (the scrape's thread: copies, under the GIL)."""
         versions = self.versions
         if versions is None:
             return []
         newest = versions.newest
-        return [(v.label, v.name, "newest" if v is newest else "older",
+        rows = [(v.label, v.name, "newest" if v is newest else "older",
                  v.drafter_identity.hex(), v.markov_identity.hex(), v.sessions,
                  v.weights_bytes) for v in versions]
+        c = self.canary
+        if c is not None:
+            rows.append((str(c.number), c.name, "canary", c.drafter_identity.hex(),
+                         c.markov_identity.hex(), 0, weights_bytes(c.drafter)))
+        return rows
+
+    async def _load_canary(self) -> tuple[str, str, int | None]:
+        """Load --canary-checkpoint (at start, and on each reload when it changed): (result,
+        why, its version number)."""
+        c, versions, disp = self.config, self.versions, self.dispatcher
+        assert versions is not None and disp is not None and c.canary_checkpoint
+        loop = asyncio.get_running_loop()
+        loader = self._loader_thread()
+        read = await loop.run_in_executor(loader, read_drafter_for, c, c.canary_checkpoint)
+        old = disp.canary
+        if old is not None and (old.drafter_identity, old.markov_identity) == (
+                read.drafter_identity, read.markov_identity):
+            return ("unchanged", f"{c.canary_checkpoint} holds canary {old.number} {old.name},"
+                    " which runs already", old.number)
+        d = await loop.run_in_executor(loader, build_drafter_for, c, read)
+        del read
+        problem = geometry_problem(d, disp.info)
+        if problem is not None:
+            raise ReloadFailed(f"the canary has {problem}")
+        if c.warmup:
+            await loop.run_in_executor(loader, d.warmup)
+        broken = await loop.run_in_executor(loader, self_check, d)
+        if broken is not None:
+            raise ReloadFailed(f"the canary's self-check failed: {broken}")
+        number = versions.next_number()
+        name = version_name(str(d.source), bytes(d.drafter_identity), bytes(d.markov_identity))
+        lanes = canary_lanes(c.canary_fraction, c.max_total_slots)
+        canary = await loop.run_in_executor(loader, functools.partial(
+            Canary, d, fraction=c.canary_fraction, capacity_lanes=lanes, window=c.window,
+            number=number, name=name, source=os.path.realpath(str(d.source)),
+            num_spec=d.num_spec))
+        disp.canary = canary  # the old one's backlog and rings go with it
+        disp.state_version += 1
+        newest = versions.newest
+        same = (newest.drafter_identity, newest.markov_identity) == (
+            canary.drafter_identity, canary.markov_identity)
+        return ("ok", f"canary {number} {name} drafts in the shadow of {c.canary_fraction:.0%}"
+                f" of each session's slots ({lanes} ring lanes, {canary.pool.nbytes / 2**20:.1f}"
+                " MiB)" + ("; it is the drafter version that serves new HELLOs, so it shadows"
+                           " only sessions of other versions" if same else ""), number)
+
 
     def _version_unloaded(self, version: Version) -> None:
         if self.runner is not None:  # after the session's lanes are freed, in order

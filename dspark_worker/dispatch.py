@@ -37,6 +37,11 @@ go only to its own connection)::
                     "source": str, "loaded_at": float, "sessions": int,
                     "drafter_identity": hex, "markov_identity": hex, "weights_bytes": int,
                     "acceptance": ACCEPTANCE}],
+      "canary": null | {"version": int, "name": str, "source": str,
+                        "drafter_identity": hex, "markov_identity": hex, "fraction": float,
+                        "lanes": int, "lanes_used": int, "backlog_steps": int,
+                        "shed_entries": int, "censored_blocks": int,
+                        "acceptance": ACCEPTANCE, "serving_acceptance": ACCEPTANCE},
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
                  "max_connections", "max_frame_bytes", "session_idle_s",
                  "partial_frame_timeout_s", "handshake_timeout_s", "connection_idle_s",
@@ -347,6 +352,7 @@ class Dispatcher:
         self._hello_reply_ok: dict[tuple[int, bool, int], bytes] = {}
         self.acceptance = WorkerAcceptance(info.num_spec, metrics.registry,
                                            has_confidence=info.has_confidence)
+        self.canary: Any = None  # canary.Canary: drafts in the shadow of the serving versions
         for v in self.versions:
             self.acceptance.version_added(v)
         # Gauges read when scraped: nothing to keep up to date per frame.
@@ -664,6 +670,12 @@ class Dispatcher:
             conn.complete(self._frame(h, ST_INTERNAL))
             return
         reply = item.reply
+        canary = self.canary
+        if canary is not None and not item.view.rows.flags.writeable:
+            # Rows in the client's shared memory: it may write them again once it has the
+            # reply, so the canary takes its copy first.
+            canary.observe(item)
+            canary = None
         t_done = time.perf_counter()
         body_len = reply.finish(int((t_done - item.t_arrival) * 1e6))
         buf = item.reply_buf
@@ -681,6 +693,8 @@ class Dispatcher:
             self.outputs_broken = None  # finite drafts again
         item.session.drafted += item.n_drafted
         self.acceptance.step_answered(item)
+        if canary is not None:
+            canary.observe(item)
         m.observe_stage("queue", item.t_start - item.t_queued)
         m.observe_stage("apply", item.apply_s)
         if item.drafting.size:
@@ -778,6 +792,8 @@ class Dispatcher:
         if s.version is not None:
             self.versions.session_gone(s.version)
         self.acceptance.forget(s)
+        if self.canary is not None:
+            self.canary.forget(s)
         self.session_left(s.conn_id)
         self.metrics.sessions_dropped.labels(reason=reason.value).inc()
         self._dropped_counts[reason.value] = self._dropped_counts.get(reason.value, 0) + 1
@@ -842,6 +858,7 @@ class Dispatcher:
             "drafter_name": self.versions.newest.name,
             "confidence_head": i.has_confidence,
             "versions": self.versions_summary(),
+            "canary": self.canary.summary() if self.canary is not None else None,
             "limits": dict(i.limits),
             "queue_steps": self.runner.queued_steps,
             "sessions": sessions,

@@ -167,6 +167,11 @@ class Runner:
         self.last_batch_steps = 0
         self.last_batch_entries = 0
         self.batch_log: deque[tuple[int, int]] = deque(maxlen=64)  # (steps, entries) per batch
+        # Shadow work for when no STEP waits (the canary, dspark_worker.canary): ``shadow()``
+        # gives it or None; it offers pending(), take() (loop thread), run(chunk) (device
+        # thread) and drafted(result) (loop thread).
+        self.shadow: Callable[[], Any] | None = None
+        self.shadow_errors = 0
 
     # -- loop side --------------------------------------------------------------------------------
     def start(self, on_death: Callable[[BaseException], None] | None = None) -> None:
@@ -225,6 +230,11 @@ class Runner:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if not self._queue and self._gate.is_set() and self.shadow is not None:
+                shadow = self.shadow()
+                if shadow is not None and shadow.pending():
+                    await self._run_shadow(loop, shadow)  # the device has room
+                    continue
             await self._wake.wait()
             await self._gate.wait()
             batch = self._take_batch()
@@ -237,6 +247,21 @@ class Runner:
                 batch = []
             if not self._queue:
                 self._idle.set()
+
+    async def _run_shadow(self, loop: asyncio.AbstractEventLoop, shadow: Any) -> None:
+        """One bounded chunk of shadow work on the device thread, then back to the queue."""
+        chunk = shadow.take()
+        if not chunk:
+            return
+        try:
+            result = await loop.run_in_executor(self._executor, shadow.run, chunk)
+        except Exception as exc:
+            self.shadow_errors += 1
+            if self.shadow_errors == 1 or self.shadow_errors % 1000 == 0:
+                log.error("canary drafting failed (%d times): %s: %s", self.shadow_errors,
+                          type(exc).__name__, exc, exc_info=exc)
+            return
+        shadow.drafted(result)
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[Op]) -> None:
         t = time.perf_counter()

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -244,7 +244,7 @@ class Reloader:
     ask. ``steps`` maps what is reloaded ("drafter", "canary") to the coroutine that does it
     and returns ``(result, why, version)``."""
 
-    def __init__(self, steps: dict[str, Callable[[], Awaitable[tuple[str, str, int | None]]]],
+    def __init__(self, steps: Mapping[str, Callable[[], Awaitable[tuple[str, str, int | None]]]],
                  on_outcome: Callable[[ReloadOutcome], None]) -> None:
         self.steps = steps
         self.on_outcome = on_outcome
