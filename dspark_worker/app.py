@@ -584,11 +584,15 @@ class WorkerApp:
         if self.dispatcher is not None:
             self.dispatcher.state_version += 1
         if outcome.result == "failed":
-            newest = self.versions.newest if self.versions is not None else None
+            newest, canary = (self.versions.newest if self.versions else None), self.canary
+            if outcome.what == "canary":
+                kept = (f"canary {canary.number} {canary.name} keeps running" if canary
+                        else "no canary runs")
+            else:
+                kept = (f"version {newest.number} {newest.name} keeps serving" if newest
+                        else "nothing changed")
             log.error("reload of the %s failed (%.2f s): %s; %s", outcome.what,
-                      outcome.seconds, outcome.why,
-                      f"version {newest.number} {newest.name} keeps serving" if newest
-                      else "nothing changed")
+                      outcome.seconds, outcome.why, kept)
         else:
             log.info("reload of the %s %s in %.2f s: %s", outcome.what, outcome.result,
                      outcome.seconds, outcome.why)

@@ -883,7 +883,7 @@ class Dispatcher:
                  "markov_identity": v.markov_identity.hex(),
                  "weights_bytes": v.weights_bytes if v.loaded else 0,
                  "acceptance": accepted.get(v.number, ("", empty))[1].summary()}
-                for v in self.versions.kept.values()]
+                for v in sorted(self.versions.kept.values(), key=lambda v: v.number)]
 
 
 def rss_bytes() -> int:

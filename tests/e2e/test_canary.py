@@ -11,6 +11,7 @@ the same blocks comes beside it, and is the better one.
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import time
@@ -150,7 +151,7 @@ def test_canary_acceptance_equals_the_candidate_serving_live(served: dict[str, A
                 anchors.setdefault(r.slot, []).append(r.anchor_pos)
         # (slot, anchor) -> the slot's next anchor: what the serving block there accepted
         following = {(slot, a): b for slot, seq in anchors.items()
-                     for a, b in zip(seq, seq[1:], strict=False)}
+                     for a, b in itertools.pairwise(seq)}
         for reqs, release, served_k in log:
             res = rounds.run(reqs, release=release)
             assert res.ok, res.reason

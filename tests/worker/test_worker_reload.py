@@ -1,0 +1,143 @@
+"""Reload corner cases on an in-process worker (real sockets): going back to a version still
+loaded, the bound on versions, a reload that runs out of memory, the canary reloaded,
+HF_FOLLOW's rules, and how the canary picks its slots. The whole path against real processes
+is tests/worker/test_worker_reload_proc.py and tests/e2e/test_canary.py."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from worker_harness import ThreadWorker, make_hello, thread_worker, wait_until
+
+import dspark_worker.app as app_module
+from dspark_worker.canary import shadowed_slots
+from dspark_worker.drafter import load_drafter
+from dspark_worker.drafter.drafter import REFERENCE_DIR
+from protocol.constants import HF_FOLLOW, ST_BAD_FRAME, ST_OK
+from tests.support.drafters import broken_copy, perturbed_reference
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("reload")
+    shutil.copytree(REFERENCE_DIR, root / "A")
+    out = {"A": root / "A", "B": perturbed_reference(root / "B", seed=1),
+           "C": perturbed_reference(root / "C", seed=2), "nan": broken_copy(root / "nan"),
+           "current": root / "current", "canary": root / "canary"}
+    return out
+
+
+def point(link: Path, target: Path) -> None:
+    if link.is_symlink():
+        link.unlink()
+    link.symlink_to(target)
+
+
+@pytest.fixture
+def reloading(folders: dict[str, Path], drafter: Any,
+              request: pytest.FixtureRequest) -> Iterator[ThreadWorker]:
+    point(folders["current"], folders["A"])  # the drafter fixture is the reference: version 1
+    overrides = getattr(request, "param", {})
+    with thread_worker(drafter, checkpoint=str(folders["current"]), **overrides) as w:
+        yield w
+
+
+def reload(w: ThreadWorker) -> dict[str, Any]:
+    app = w.app
+    assert w.call(lambda: app.request_reload("test")) is not None
+    assert wait_until(lambda: not w.call(lambda: app.reloader.running), 30)
+    return dict(w.call(lambda: app.reloader.last.summary()))
+
+
+def versions(w: ThreadWorker) -> list[tuple[int, str, int]]:
+    return [(v["version"], v["role"], v["sessions"])
+            for v in w.call(lambda: w.app.dispatcher.stats())["versions"]]
+
+
+def test_back_to_a_version_still_loaded_and_the_one_left_unused_goes(
+        reloading: ThreadWorker, folders: dict[str, Path], drafter: Any) -> None:
+    with reloading.connect() as c:
+        assert c.hello(make_hello(drafter, client_name="pinned")).status == ST_OK
+        point(folders["current"], folders["B"])
+        assert reload(reloading)["result"] == "ok"
+        assert versions(reloading) == [(1, "older", 1), (2, "newest", 0)]
+        point(folders["current"], folders["A"])
+        back = reload(reloading)
+        assert back["result"] == "ok" and back["version"] == 1
+        assert "serves new HELLOs again" in back["why"]
+        assert versions(reloading) == [(1, "newest", 1), (2, "unloaded", 0)]
+        assert reload(reloading)["result"] == "unchanged"
+
+
+@pytest.mark.parametrize("reloading", [{"max_versions": 2}], indirect=True)
+def test_a_reload_past_max_versions_fails_and_changes_nothing(
+        reloading: ThreadWorker, folders: dict[str, Path], drafter: Any) -> None:
+    with reloading.connect() as a, reloading.connect() as b:
+        assert a.hello(make_hello(drafter, client_name="a")).status == ST_OK
+        point(folders["current"], folders["B"])
+        assert reload(reloading)["result"] == "ok"
+        b_drafter = load_drafter(folders["B"])
+        assert b.hello(make_hello(b_drafter, client_name="b")).status == ST_OK
+        point(folders["current"], folders["C"])
+        out = reload(reloading)
+        assert out["result"] == "failed"
+        assert "2 versions are loaded, the limit (--max-versions 2)" in out["why"]
+        assert versions(reloading) == [(1, "older", 1), (2, "newest", 1)]
+
+
+def test_a_reload_without_memory_says_so(reloading: ThreadWorker, folders: dict[str, Path],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(config: Any, read: Any) -> Any:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(app_module, "build_drafter_for", no_memory)
+    point(folders["current"], folders["B"])
+    out = reload(reloading)
+    assert out["result"] == "failed" and out["why"].startswith("no memory: CUDA out of memory")
+    assert versions(reloading) == [(1, "newest", 0)]
+    _, text = reloading.scrape()
+    assert 'dspark_worker_reloads_total{result="failed",what="drafter"} 1.0' in text
+
+
+def test_the_canary_reloads_and_a_broken_one_leaves_it(folders: dict[str, Path],
+                                                       drafter: Any) -> None:
+    point(folders["canary"], folders["B"])
+    with thread_worker(drafter, canary_checkpoint=str(folders["canary"])) as w:
+        first = w.call(lambda: w.app.canary.summary())
+        assert first["name"].startswith("B@") and first["version"] == 2
+        point(folders["canary"], folders["nan"])
+        assert reload(w)["result"] == "failed"
+        assert w.call(lambda: w.app.canary.number) == 2  # still the first canary
+        point(folders["canary"], folders["C"])
+        out = reload(w)
+        assert (out["what"], out["result"], out["version"]) == ("canary", "ok", 3)
+        assert w.call(lambda: w.app.canary.summary())["name"].startswith("C@")
+        assert reload(w)["result"] == "unchanged"
+        _, text = w.scrape()
+        assert 'dspark_worker_drafter_info{' in text and 'role="canary"' in text
+        assert 'dspark_worker_reloads_total{result="failed",what="canary"} 1.0' in text
+
+
+def test_follow_hellos_carry_no_identities(worker: ThreadWorker, drafter: Any) -> None:
+    with worker.connect() as c:
+        named = make_hello(drafter, flags=HF_FOLLOW)
+        r = c.hello(named)
+        assert r.status == ST_BAD_FRAME
+        r = c.hello(make_hello(drafter, flags=HF_FOLLOW, drafter_identity=bytes(32),
+                               markov_identity=bytes(32)))
+        assert r.status == ST_OK
+        assert r.hello().drafter_identity == drafter.drafter_identity  # what it got
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5, 1.0])
+def test_the_canary_shadows_its_share_of_every_session(fraction: float) -> None:
+    for max_slots in (1, 3, 8, 256):
+        counts = {int(shadowed_slots(sid, b"k" * 16, max_slots, fraction).sum())
+                  for sid in range(1, 200)}
+        share = fraction * max_slots
+        assert counts <= {int(np.floor(share)), int(np.ceil(share))}, (max_slots, counts)
