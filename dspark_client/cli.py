@@ -6,6 +6,8 @@
     stats [--json]       STATS: a short summary, or the worker's JSON
     reset [SLOT ...]     check the worker's RESET on a session of our own (RESET only ever
                          acts on the sender's session: no engine's windows are touched)
+    reload [--no-wait]   RELOAD (signed with --auth-secret-file): the worker reads its drafter
+                         and canary folders again; waits for the outcome and prints it
     bench [...]          drive the worker with synthetic rows, print RTT percentiles and rates
     demo [...]           speculative decoding with the reference pair (needs torch)
 
@@ -49,6 +51,7 @@ import msgspec
 import numpy as np
 
 from protocol import wire
+from protocol.auth import reload_body
 from protocol.messages import pack_reset
 
 from . import __version__
@@ -568,6 +571,40 @@ def _stats(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+def cmd_reload(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
+    """RELOAD (contract section 10), then STATS until the reload it started is done."""
+    if ctx.secret is None:
+        raise CliError("reload needs --auth-secret-file: RELOAD is signed with the worker's"
+                       " HELLO secret (without one, send the worker SIGHUP)", EXIT_USAGE)
+    with ctx.connect() as conn:
+        h, body = ctx.request(conn, wire.OP_RELOAD, reload_body(ctx.secret))
+    if h.status != wire.ST_OK:
+        raise _worker_error(f"RELOAD refused: {_status_name(h.status)}")
+    number = int(json.loads(body)["reload"])
+    print(f"reload {number} asked of {ctx.endpoint}", file=out, flush=True)
+    if args.no_wait:
+        return EXIT_OK
+    deadline = time.monotonic() + args.wait
+    while True:
+        ctx.interrupt.check()
+        reloads = worker_stats(ctx).get("reloads") or {}
+        done = [o for o in reloads.get("recent") or [] if int(o.get("number", 0)) >= number]
+        if done and not reloads.get("running"):
+            break
+        if time.monotonic() > deadline:
+            raise _worker_error(f"reload {number} still running after {args.wait:g} s (see"
+                                " dspark-client stats)")
+        time.sleep(0.2)
+    last = max(int(o["number"]) for o in done)
+    failed = False
+    for o in done:
+        if int(o["number"]) == last:
+            print(f"  {o['what']}: {o['result']} in {o.get('seconds', 0):.2f} s: {o['why']}",
+                  file=out)
+            failed |= o["result"] == "failed"
+    return EXIT_WORKER if failed else EXIT_OK
+
+
 def cmd_reset(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
     hello = discover(ctx, sampled=False, max_slots=max([*args.slots, 0]) + 1,
                      client_name=f"dspark-reset-{os.getpid()}")
@@ -829,8 +866,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
                     interrupt=ctx.interrupt.check)
 
 
-COMMANDS = {"ping": cmd_ping, "stats": cmd_stats, "reset": cmd_reset, "bench": cmd_bench,
-            "demo": cmd_demo}
+COMMANDS = {"ping": cmd_ping, "stats": cmd_stats, "reset": cmd_reset, "reload": cmd_reload,
+            "bench": cmd_bench, "demo": cmd_demo}
 
 
 # -- entry ---------------------------------------------------------------------------------------
@@ -932,6 +969,13 @@ def build_parser() -> argparse.ArgumentParser:
     stats = command("stats", "print a summary of the worker's STATS")
     stats.add_argument("--json", action="store_true",
                        help="print the whole STATS JSON instead (default: the summary)")
+    reload = command("reload", "ask the worker to read its drafter (and canary) folders again"
+                               " (signed with --auth-secret-file); exits 1 when that failed")
+    reload.add_argument("--no-wait", action="store_true",
+                        help="return once the worker took the request (default: wait for"
+                             " the outcome and print it)")
+    reload.add_argument("--wait", type=_positive_float, default=600.0, metavar="SECONDS",
+                        help="longest wait for the outcome (default: 600)")
     reset = command("reset", "check the worker's RESET: HELLO a session of our own, RESET"
                              " those slots (all when none), GOODBYE. RESET only ever acts on"
                              " the session that sends it, so no engine's windows are touched:"

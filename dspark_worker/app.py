@@ -7,6 +7,8 @@ shutdown of SIGTERM/SIGINT: first a drain of up to ``drain_s`` in which HELLO an
 ``ST_DRAINING`` (engines move to another worker without a timeout, contract section 5) while
 every STEP already accepted finishes; it ends once no connection is left. Then stop accepting
 and reading, let every STEP still queued finish and be answered, close the connections, exit 0.
+SIGHUP reloads --checkpoint (and --canary-checkpoint) beside what serves
+(``versions.Reloader``, docs/operations.md "Ship a new drafter").
 """
 
 from __future__ import annotations
@@ -373,6 +375,7 @@ class WorkerApp:
                 raise StartupError(f"cannot load the canary ({c.canary_checkpoint}):"
                                    f" {failure_words(exc)}") from exc
         self.runner.shadow = lambda: self.dispatcher.canary if self.dispatcher else None
+        self.dispatcher.reload_hook = self.request_reload
         self.registry.register(CanaryFamilies(lambda: self.canary))
         self.reloader = Reloader(steps, self._reloaded)
         self.dispatcher.outputs_broken = broken

@@ -18,12 +18,12 @@ at ``p`` is judged once its outcome is certain: at its first draft that differs 
 the target produced (accepted = that position), or once every one of its k drafts is matched.
 Under greedy verification the target's tokens do not depend on who drafted, so this is exactly
 the acceptance the canary would have had on those blocks. A block whose chain ends first counts
-nowhere (``censored``). For sampled sessions the canary draws its drafts with the session's
-seed, as the serving drafter does, and is judged by the same match; that is the rate at which
-its draft equals the token the target emitted, which for independent draws (p the target's and
-q the canary's distribution at a position) is ``sum_x p(x) q(x)``, a lower bound of the
-rejection-sampling acceptance ``sum_x min(p(x), q(x))`` it would have had (equal when both are
-one-hot). Beside the canary's totals the serving versions' own are kept over the same judged
+nowhere (``censored``). For sampled sessions the canary draws with the session's seed, as the
+serving drafter does, and is judged by the same match: an estimate. A canary equal to the
+serving drafter reads exactly the serving acceptance (its draws are the serving drafts, and a
+draft the rejection sampler turns down is never the token it emits instead); for another it is
+how often its draw lands on the token the target chose, which moves with its acceptance but is
+not it. Beside the canary's totals the serving versions' own are kept over the same judged
 blocks, so the two compare position by position on the same traffic.
 """
 

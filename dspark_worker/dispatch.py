@@ -10,9 +10,10 @@ before they commit anything.
 
 What each op does:
 
-* HELLO (6.1, 6.2): refusals in the order version, auth, identities, geometry, limits, then the
-  session table (seq of a reconnect, capacity: ST_BUSY). The reply always carries the worker's
-  HelloReply, on a refusal too.
+* HELLO (6.1, 6.2, 6.5): refusals in the order version, auth, identities (the drafter version
+  they name, or with HF_FOLLOW the newest), geometry, limits, then the session table (seq of a
+  reconnect, capacity: ST_BUSY). The reply always carries the HelloReply of the version that
+  serves the session (of the newest on a refusal).
 * STEP (7.2): session and seq, decode, shape, generations (host side, on arrival), then the
   runner applies rows and drafts.
 * While draining (SIGTERM, section 5): HELLO and STEP get ST_DRAINING, nothing applied, and the
@@ -47,6 +48,11 @@ go only to its own connection)::
                  "partial_frame_timeout_s", "handshake_timeout_s", "connection_idle_s",
                  "shed_queue_steps"},
       "threads": int, "connections": int, "queue_steps": int,
+      "reloads": {"asked": int, "running": bool, "results": {"<what>:<result>": int},
+                  "last": null | {"number": int, "what": "drafter" | "canary",
+                                  "result": "ok" | "unchanged" | "failed", "why": str,
+                                  "at": float, "version": int | null, "seconds": float},
+                  "recent": [the last 8 outcomes, as "last"]},
       "sessions": [{"label": str, "session": int (own only), "client_name": str (own only),
                     "version": int, "sample_mode": "greedy" | "top32", "synthetic": bool,
                     "max_slots": int, "slots_in_use": int, "connected": bool,
@@ -97,7 +103,7 @@ import msgspec
 import numpy as np
 
 from protocol.acceptance import AcceptanceTotals
-from protocol.auth import verify_hello
+from protocol.auth import RELOAD_MAX_SKEW_S, verify_hello, verify_reload
 from protocol.constants import (
     APP_HEADER_SIZE,
     CAP_NO_CONFIDENCE,
@@ -108,6 +114,7 @@ from protocol.constants import (
     OP_GOODBYE,
     OP_HELLO,
     OP_PING,
+    OP_RELOAD,
     OP_RESET,
     OP_SHM_ATTACH,
     OP_STATS,
@@ -131,6 +138,7 @@ from protocol.constants import (
 from protocol.errors import (
     AuthError,
     BadFrameError,
+    BusyError,
     DrainingError,
     FrameTooLargeError,
     GeometryError,
@@ -335,7 +343,11 @@ class Dispatcher:
             OP_RESET: self._reset,
             OP_GOODBYE: self._goodbye,
             OP_SHM_ATTACH: self._shm_attach,
+            OP_RELOAD: self._reload,
         }
+        # Asks the app for a reload (RELOAD): its number, or None when it cannot now.
+        self.reload_hook: Callable[[str], int | None] | None = None
+        self._reload_nonces: OrderedDict[bytes, float] = OrderedDict()
         # Section 13: shared-memory rows regions (max_region_bytes 0: none offered).
         self.shm = shm if shm is not None else ShmOps(0)
         self._refusal_log = RateLimitedLog(log)
@@ -763,6 +775,29 @@ class Dispatcher:
         self.table.touch(s, h.seq, self.clock())  # retired with this seq: a replay cannot pass
         self._drop(s, DropReason.GOODBYE, f"released by its client from {conn.peer}")
         return self._ok(h)
+
+    # -- RELOAD (10) ---------------------------------------------------------------------------
+    def _reload(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
+        """Reload the drafter, asked over the wire: only under the shared secret, signed within
+        RELOAD_MAX_SKEW_S of the worker's clock, each signature once."""
+        h = fr.header
+        if self.secret is None:
+            raise AuthError("RELOAD needs the worker's shared secret (--auth-secret-file); this"
+                            " worker has none: send it SIGHUP instead", field="auth_tag")
+        now = time.time()
+        _, nonce = verify_reload(self.secret, fr.body, now)
+        seen = self._reload_nonces
+        while seen and next(iter(seen.values())) < now - 2 * RELOAD_MAX_SKEW_S:
+            seen.popitem(last=False)  # older than any signature still within the skew
+        if nonce in seen:
+            raise AuthError("RELOAD replayed: its signature was used already", field="nonce")
+        number = self.reload_hook(f"RELOAD from {conn.peer}") if self.reload_hook else None
+        if number is None:
+            raise BusyError("the worker is starting or draining: nothing reloaded")
+        seen[nonce] = now
+        while len(seen) > 4096:
+            seen.popitem(last=False)
+        return self._ok(h, msgspec.json.encode({"reload": number}))
 
     # -- SHM_ATTACH (13.2) -------------------------------------------------------------------------
     def _shm_attach(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:

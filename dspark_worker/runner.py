@@ -16,10 +16,15 @@ rings after the first one's draft).
 
 One batch on the device: for each operation in order, lane work (allocate / free / release) or a
 STEP's rows (one ``pool.apply`` per STEP, for all its entries) and its window statuses (7.2 step
-5); then ONE ``drafter.draft`` over the union of every drafting entry of the batch; then each
+5); then ONE ``drafter.draft`` over the union of every drafting entry of the batch (one per
+drafter version while a reload's old and new versions both serve); then each
 STEP's reply is encoded in place (``StepReply.into``) into a buffer its connection reuses. If the
 batched draft raises, each STEP is drafted alone so that only the one that fails is refused
 (ST_INTERNAL, and dispatch drops its session).
+
+Between batches, when nothing is queued, the runner gives the device to shadow work (the
+canary, ``dspark_worker.canary``): one bounded chunk at a time, so a STEP that arrives meanwhile
+waits for at most that chunk.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -172,6 +177,7 @@ class Runner:
         # thread) and drafted(result) (loop thread).
         self.shadow: Callable[[], Any] | None = None
         self.shadow_errors = 0
+        self.room = IdleRoom()
 
     # -- loop side --------------------------------------------------------------------------------
     def start(self, on_death: Callable[[BaseException], None] | None = None) -> None:
@@ -193,9 +199,11 @@ class Runner:
         self.submit(DeviceCall(fn, *args))
 
     def submit(self, op: Op) -> None:
-        self._queue.append(op)
         if isinstance(op, StepItem):
+            if not self._queue and self._idle.is_set():
+                self.room.step_arrived(op.t_arrival)
             self.queued_steps += 1
+        self._queue.append(op)
         self._idle.clear()
         self._wake.set()
 
@@ -233,7 +241,12 @@ class Runner:
             if not self._queue and self._gate.is_set() and self.shadow is not None:
                 shadow = self.shadow()
                 if shadow is not None and shadow.pending():
-                    await self._run_shadow(loop, shadow)  # the device has room
+                    wait = self.room.wait(time.perf_counter())
+                    if wait <= 0:
+                        await self._run_shadow(loop, shadow)  # the device has room
+                        continue
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), wait)
                     continue
             await self._wake.wait()
             await self._gate.wait()
@@ -253,8 +266,10 @@ class Runner:
         chunk = shadow.take()
         if not chunk:
             return
+        t = time.perf_counter()
         try:
             result = await loop.run_in_executor(self._executor, shadow.run, chunk)
+            self.room.chunk_done(time.perf_counter() - t)
         except Exception as exc:
             self.shadow_errors += 1
             if self.shadow_errors == 1 or self.shadow_errors % 1000 == 0:
@@ -290,6 +305,7 @@ class Runner:
                 if item.error is None and not item.skipped:
                     item.error = exc
         self.batches += 1
+        self.room.batch_done(time.perf_counter())
         if self._on_batch is not None:
             self._on_batch(len(steps), self.last_batch_entries)
         for item in steps:
@@ -575,6 +591,41 @@ class Runner:
                     reply.support_ids[rows] = support
                     reply.proposal_q[rows] = q
         item.reply = reply
+
+
+class IdleRoom:
+    """Whether the device has room for a chunk of shadow work now: the engines' usual gap
+    between a batch's end and the next STEP (a moving average of the gaps seen while nothing
+    was queued) against how long a chunk takes. A chunk runs when it should end before the
+    next STEP is due, or once that STEP is overdue (traffic paused); engines that send STEPs
+    back to back leave no room, and the shadow work waits, then is shed."""
+
+    WEIGHT: Final = 0.2  # of the newest sample in each moving average
+
+    def __init__(self) -> None:
+        self.gap: float | None = None
+        self.chunk: float | None = None
+        self._end = 0.0
+
+    def batch_done(self, t: float) -> None:
+        self._end = t
+
+    def step_arrived(self, t: float) -> None:
+        gap = max(t - self._end, 0.0)
+        self.gap = gap if self.gap is None else self.gap + self.WEIGHT * (gap - self.gap)
+
+    def chunk_done(self, seconds: float) -> None:
+        self.chunk = (seconds if self.chunk is None
+                      else self.chunk + self.WEIGHT * (seconds - self.chunk))
+
+    def wait(self, now: float) -> float:
+        """Seconds to wait before a chunk fits (0: now)."""
+        if self.gap is None or self.chunk is None:
+            return 0.0
+        idle = now - self._end
+        if self.gap - idle >= self.chunk:
+            return 0.0
+        return max(0.0, 2 * self.gap + self.chunk - idle)
 
 
 class NonFiniteOutput(InternalError):

@@ -23,7 +23,7 @@ import hashlib
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -40,6 +40,8 @@ VERSIONS_KEPT: Final = 8
 # The loader's refusals whose message says what is wrong in words (bad or missing files, a
 # geometry the worker cannot serve, a refused read); any other exception is logged with its
 # class name.
+# Reload outcomes STATS lists (``reloads.recent``): a few reloads of the drafter and canary.
+RECENT_OUTCOMES: Final = 8
 RELOAD_REFUSALS: Final[tuple[type[BaseException], ...]] = (ValueError, OSError)
 
 
@@ -250,6 +252,7 @@ class Reloader:
         self.on_outcome = on_outcome
         self.asked = 0  # reloads asked (SIGHUP, RELOAD)
         self.last: ReloadOutcome | None = None
+        self.recent: deque[ReloadOutcome] = deque(maxlen=RECENT_OUTCOMES)
         self.outcomes: dict[tuple[str, str], int] = {}
         self._task: asyncio.Task[None] | None = None
         self._again = False
@@ -294,6 +297,7 @@ class Reloader:
                 outcome = ReloadOutcome(what, result, why, number, version=version,
                                         seconds=time.perf_counter() - t0)
                 self.last = outcome
+                self.recent.append(outcome)
                 key = (what, result)
                 self.outcomes[key] = self.outcomes.get(key, 0) + 1
                 self.on_outcome(outcome)
@@ -304,7 +308,8 @@ class Reloader:
         return {"asked": self.asked, "running": self.running,
                 "results": {f"{what}:{result}": n for (what, result), n
                             in sorted(self.outcomes.items())},
-                "last": self.last.summary() if self.last is not None else None}
+                "last": self.last.summary() if self.last is not None else None,
+                "recent": [o.summary() for o in self.recent]}
 
 
 def loader_thread(threads: int) -> ThreadPoolExecutor:

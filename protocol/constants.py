@@ -22,6 +22,7 @@ OP_STATS: Final = 4
 OP_RESET: Final = 5
 OP_GOODBYE: Final = 6  # release the session and all its slots now (6.2)
 OP_SHM_ATTACH: Final = 7  # section 13: a shared-memory rows region for this connection
+OP_RELOAD: Final = 8  # section 10: reload the drafter, signed with the shared secret
 OP_NAMES: Final[dict[int, str]] = {
     OP_HELLO: "HELLO",
     OP_STEP: "STEP",
@@ -30,6 +31,7 @@ OP_NAMES: Final[dict[int, str]] = {
     OP_RESET: "RESET",
     OP_GOODBYE: "GOODBYE",
     OP_SHM_ATTACH: "SHM_ATTACH",
+    OP_RELOAD: "RELOAD",
 }
 
 # -- section 5: frame statuses --------------------------------------------------------------------

@@ -11,10 +11,12 @@ the same blocks comes beside it, and is the better one.
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,9 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
-from dspark_client import hello_from_checkpoint
+from dspark_client import cli, hello_from_checkpoint
 from dspark_client.client import RemoteDraftClient
 from dspark_client.config import RemoteConfig
 from dspark_client.demo.corpus import heldout_prompts
@@ -131,7 +134,7 @@ def served(target: TargetModel, candidate: Path) -> Iterator[dict[str, Any]]:
         while (st := stats(w))["canary"]["backlog_steps"] and time.monotonic() < deadline:
             time.sleep(0.05)
         yield {"stats": st, "log": source.log, "tokens": {s.slot: s.tokens for s in seqs},
-               "failed": dec.stats.failed_rounds}
+               "failed": dec.stats.failed_rounds, "worker": w}
 
 
 def test_canary_acceptance_equals_the_candidate_serving_live(served: dict[str, Any],
@@ -180,3 +183,27 @@ def test_canary_acceptance_equals_the_candidate_serving_live(served: dict[str, A
     assert canary["serving_acceptance"]["drafted_by_position"] == s_drafted
     assert canary["serving_acceptance"]["accepted_by_position"] == s_accepted
     assert sum(s_accepted) > sum(accepted)
+
+
+def test_stats_cli_and_metrics_show_the_canary_beside_the_serving_drafter(
+        served: dict[str, Any]) -> None:
+    w, canary = served["worker"], served["stats"]["canary"]
+    out = io.StringIO()
+    assert cli.main(["stats", "--endpoint", w.endpoint or ""], out=out) == 0
+    text = out.getvalue()
+    assert "  drafter embedded@" in text  # the serving drafter in words
+    assert f"  canary 2 {canary['name']} on 100% of the slots: {canary['acceptance']['rounds']}" \
+        " judged blocks" in text
+    assert "    by position canary " in text and "; serving " in text
+    with urllib.request.urlopen(f"{w.metrics_url}/metrics", timeout=10) as r:
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(r.read().decode())
+                   for s in fam.samples}
+    rounds = {dict(k)["drafter"]: v for (name, k), v in samples.items()
+              if name == "dspark_worker_canary_acceptance_rounds_total"}
+    assert rounds == {"canary": canary["acceptance"]["rounds"],
+                      "serving": canary["serving_acceptance"]["rounds"]}
+    accepted = [samples[("dspark_worker_canary_acceptance_accepted_total",
+                         (("drafter", "canary"), ("name", canary["name"]), ("position", str(j)),
+                          ("version", "2")))] for j in range(7)]
+    assert accepted == canary["acceptance"]["accepted_by_position"]

@@ -5,7 +5,9 @@ is tests/worker/test_worker_reload_proc.py and tests/e2e/test_canary.py."""
 
 from __future__ import annotations
 
+import io
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,10 +17,12 @@ import pytest
 from worker_harness import ThreadWorker, make_hello, thread_worker, wait_until
 
 import dspark_worker.app as app_module
+from dspark_client import cli
 from dspark_worker.canary import shadowed_slots
 from dspark_worker.drafter import load_drafter
 from dspark_worker.drafter.drafter import REFERENCE_DIR
-from protocol.constants import HF_FOLLOW, ST_BAD_FRAME, ST_OK
+from protocol.auth import reload_body
+from protocol.constants import HF_FOLLOW, OP_RELOAD, ST_AUTH, ST_BAD_FRAME, ST_OK
 from tests.support.drafters import broken_copy, perturbed_reference
 
 
@@ -141,3 +145,38 @@ def test_the_canary_shadows_its_share_of_every_session(fraction: float) -> None:
                   for sid in range(1, 200)}
         share = fraction * max_slots
         assert counts <= {int(np.floor(share)), int(np.ceil(share))}, (max_slots, counts)
+
+
+def test_reload_over_the_wire_under_the_secret(folders: dict[str, Path], drafter: Any,
+                                               tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"reload-secret\n")
+    secret.chmod(0o600)
+    wrong = tmp_path / "wrong"
+    wrong.write_bytes(b"not-it\n")
+    point(folders["current"], folders["B"])
+    with thread_worker(drafter, checkpoint=str(folders["current"]),
+                       auth_secret_file=str(secret)) as w:
+        endpoint = "tcp://{}:{}".format(*w.address)
+        out = io.StringIO()
+        code = cli.main(["reload", "--endpoint", endpoint, "--auth-secret-file", str(secret)],
+                        out=out)
+        assert code == 0, out.getvalue()
+        assert out.getvalue().splitlines()[1].startswith(
+            "  drafter: ok in ") and "version 2 B@" in out.getvalue()
+        assert cli.main(["reload", "--endpoint", endpoint, "--auth-secret-file", str(wrong)],
+                        out=io.StringIO()) == 1
+        assert cli.main(["reload", "--endpoint", endpoint], out=io.StringIO()) == 2
+        with w.connect() as c:  # a captured RELOAD, sent again: refused
+            body = reload_body(b"reload-secret")
+            assert c.request(OP_RELOAD, body, session=0).status == ST_OK
+            assert c.request(OP_RELOAD, body, session=0).status == ST_AUTH
+            old = reload_body(b"reload-secret", at_ms=int((time.time() - 120) * 1000))
+            assert c.request(OP_RELOAD, old, session=0).status == ST_AUTH
+        assert wait_until(lambda: not w.call(lambda: w.app.reloader.running))
+        assert w.call(lambda: w.app.reloader.asked) == 2  # the refused ones asked nothing
+
+
+def test_reload_over_the_wire_needs_a_secret(worker: ThreadWorker) -> None:
+    with worker.connect() as c:
+        assert c.request(OP_RELOAD, reload_body(b"x"), session=0).status == ST_AUTH

@@ -1,0 +1,233 @@
+"""What a canary and a second drafter version cost.
+
+    python bench/bench_canary.py rtt [--pairs 3] [--prompts 4] [--tokens 96]
+    python bench/bench_canary.py memory DIR    # DIR from: python bench/bench_loading.py make DIR
+
+``rtt``: two real workers on the reference drafter, one with a canary (the reference drafter
+perturbed, ``--canary-fraction 1``: every slot shadowed) and one without, driven in turn by the
+same engine: the reference target decoding held-out prompts greedily through ``DraftRounds``
+(between rounds the target verifies, which is the room the canary drafts in), then the same
+STEPs replayed back to back with no verify between them (no room: the canary must wait and
+shed, not delay). Prints the round trip's percentiles per worker and mode, their ratio, and how
+many blocks the canary judged and shed meanwhile. Pairs alternate which worker goes first.
+
+``memory``: one worker on a real-size checkpoint (bf16 on the CPU, a small ring pool), a session
+pinned to it, then a reload of a second version (the same files under a config whose candidate
+walk differs, so the identities and the weights loaded are another copy); prints the resident
+set and STATS' ``weights_bytes`` with one version, with two, and after the pinned session has
+gone and the first version was unloaded. Every figure of bench/README.md comes with its command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from dspark_client import hello_from_checkpoint  # noqa: E402
+from dspark_client.client import RemoteDraftClient  # noqa: E402
+from dspark_client.config import RemoteConfig  # noqa: E402
+from dspark_client.rounds import DraftRounds  # noqa: E402
+from protocol.constants import OP_STATS  # noqa: E402
+from protocol.framing import FrameDecoder, frame  # noqa: E402
+from tests.support.worker_proc import WorkerProcess, start_worker  # noqa: E402
+
+W, SLOTS = 256, 8
+
+
+def stats(w: WorkerProcess) -> dict[str, Any]:
+    assert w.host is not None and w.port is not None
+    with socket.create_connection((w.host, w.port), timeout=30) as sock:
+        sock.sendall(frame(OP_STATS, 1, 0))
+        decoder, frames = FrameDecoder(), []
+        while not frames:
+            frames += decoder.feed(sock.recv(1 << 20))
+    return dict(json.loads(bytes(frames[0].body)))
+
+
+def connect(w: WorkerProcess, folder: Path, name: str) -> RemoteDraftClient:
+    hello = hello_from_checkpoint(folder, window=W, max_slots=SLOTS, max_rows_per_step=4096,
+                                  client_name=name)
+    client = RemoteDraftClient(RemoteConfig(endpoint=w.endpoint or "", timeout_ms=30_000,
+                                            connect_timeout_ms=30_000), hello)
+    if not client.wait_ready(60.0):
+        raise RuntimeError(f"no HELLO: {client.disabled_reason or client.last_error}")
+    return client
+
+
+def percentiles(us: list[float]) -> dict[str, float]:
+    a = np.asarray(us)
+    return {f"p{q}_us": round(float(np.percentile(a, q)), 1) for q in (50, 90, 99)} | {
+        "rounds": int(a.size)}
+
+
+def recording(drafts: type) -> type:
+    """``RemoteDrafts`` that keeps each round's requests and releases, to replay them."""
+
+    class Recording(drafts):  # type: ignore[misc, valid-type]
+        def __init__(self, rounds: DraftRounds) -> None:
+            super().__init__(rounds)
+            self.log: list[tuple[list[Any], list[int]]] = []
+
+        def round(self, requests: Any) -> Any:
+            release = list(self._release)
+            res = super().round(requests)
+            self.log.append((list(requests), release))
+            return res
+
+    return Recording
+
+
+def rtt(args: argparse.Namespace) -> None:
+    import torch
+
+    from dspark_client.demo.corpus import heldout_prompts
+    from dspark_client.demo.speculative import RemoteDrafts, SpeculativeDecoder
+    from dspark_client.demo.target import default_target_dir, load_target
+    from dspark_worker.drafter.drafter import REFERENCE_DIR
+    from tests.support.drafters import perturbed_reference
+
+    torch.set_num_threads(1)
+    Recording = recording(RemoteDrafts)
+    target = load_target(default_target_dir())
+    tmp = Path(tempfile.mkdtemp(prefix="bench-canary-"))
+    candidate = perturbed_reference(tmp / "candidate")
+    common = ("--window", str(W), "--max-slots", str(SLOTS), "--max-total-slots",
+              str(2 * SLOTS), "--device", "cpu", "--threads", "1", "--log-level", "WARNING")
+    prompts = heldout_prompts(args.prompts, 96)
+    out: dict[str, dict[str, list[float]]] = {m: {"off": [], "on": []}
+                                              for m in ("engine", "back-to-back")}
+    canary = {"judged": 0, "shed": 0}
+    try:
+        with start_worker(*common) as off, start_worker(
+                "--canary-checkpoint", str(candidate), "--canary-fraction", "1",
+                *common) as on:
+            workers = {"off": off, "on": on}
+            for pair in range(args.pairs):
+                order = ("off", "on") if pair % 2 == 0 else ("on", "off")
+                for which in order:
+                    w = workers[which]
+                    before = stats(w)["canary"]
+                    client = connect(w, REFERENCE_DIR, f"bench-{which}-{pair}")
+                    rounds = DraftRounds(client)
+                    source = Recording(rounds)
+                    dec = SpeculativeDecoder(target, source, max_len=512, stop_at_eos=False)
+                    dec.generate(prompts, args.tokens)
+                    out["engine"][which] += dec.stats.rtt_us
+                    client.close()
+                    # The same STEPs again, back to back: a new session, the same rows.
+                    client = connect(w, REFERENCE_DIR, f"bench-{which}-{pair}-tight")
+                    rounds = DraftRounds(client)
+                    for reqs, release in source.log:
+                        res = rounds.run(reqs, release=release)
+                        if res.ok and res.rtt_us:
+                            out["back-to-back"][which].append(res.rtt_us)
+                    client.close()
+                    if which == "on":
+                        deadline = time.monotonic() + 30
+                        while (stats(w)["canary"]["backlog_steps"]
+                               and time.monotonic() < deadline):
+                            time.sleep(0.05)
+                        after = stats(w)["canary"]
+                        canary["judged"] += (after["acceptance"]["rounds"]
+                                             - before["acceptance"]["rounds"])
+                        canary["shed"] += after["shed_entries"] - before["shed_entries"]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    result: dict[str, Any] = {"prompts": args.prompts, "tokens": args.tokens,
+                              "pairs": args.pairs, "canary": canary}
+    for mode, by in out.items():
+        off_p, on_p = percentiles(by["off"]), percentiles(by["on"])
+        result[mode] = {"off": off_p, "on": on_p,
+                        "ratio_p50": round(on_p["p50_us"] / off_p["p50_us"], 3),
+                        "ratio_p90": round(on_p["p90_us"] / off_p["p90_us"], 3)}
+    print(json.dumps(result, indent=1))
+
+
+def memory(args: argparse.Namespace) -> None:
+    src = Path(args.checkpoint).resolve()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-versions-"))
+    try:
+        second = tmp / "second"  # the same weights, another candidate walk: another version
+        second.mkdir()
+        for f in src.iterdir():
+            if f.suffix == ".safetensors" or f.name.endswith(".index.json"):
+                (second / f.name).symlink_to(f)
+        config = json.loads((src / "config.json").read_text())
+        config["dspark_draft_topk"] = 64
+        (second / "config.json").write_text(json.dumps(config))
+        link = tmp / "current"
+        link.symlink_to(src)
+        env = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}  # freed tensors leave the RSS
+        with start_worker("--checkpoint", str(link), "--device", "cpu", "--dtype", "bfloat16",
+                          "--window", "256", "--max-slots", "8", "--max-total-slots", "8",
+                          "--threads", "1", "--log-level", "WARNING", env=env,
+                          timeout=600) as w:
+            pinned = connect_pinned(w, src)
+            rows = [figures("one version", w)]
+            asked = stats(w)["reloads"]["asked"]
+            link.unlink()
+            link.symlink_to(second)
+            os.kill(w.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                st = stats(w)["reloads"]
+                if st["asked"] > asked and not st["running"]:
+                    break
+                time.sleep(0.5)
+            rows.append(figures(f"two versions (reload: {st['last']['result']},"
+                                f" {st['last']['seconds']:.1f} s)", w))
+            pinned.close()
+            time.sleep(1.0)
+            rows.append(figures("the first unloaded", w))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(rows, indent=1))
+
+
+def connect_pinned(w: WorkerProcess, folder: Path) -> RemoteDraftClient:
+    hello = hello_from_checkpoint(folder, window=256, max_slots=4, client_name="pinned")
+    client = RemoteDraftClient(RemoteConfig(endpoint=w.endpoint or "", timeout_ms=60_000,
+                                            connect_timeout_ms=60_000), hello)
+    if not client.wait_ready(120.0):
+        raise RuntimeError(f"no HELLO: {client.disabled_reason or client.last_error}")
+    return client
+
+
+def figures(what: str, w: WorkerProcess) -> dict[str, Any]:
+    st = stats(w)
+    return {"state": what, "rss_gib": round(st["memory"]["rss_bytes"] / 2**30, 3),
+            "versions": [(v["version"], v["role"], round(v["weights_bytes"] / 2**30, 3))
+                         for v in st["versions"]]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("rtt")
+    r.add_argument("--pairs", type=int, default=3)
+    r.add_argument("--prompts", type=int, default=4)
+    r.add_argument("--tokens", type=int, default=96)
+    m = sub.add_parser("memory")
+    m.add_argument("checkpoint")
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    {"rtt": rtt, "memory": memory}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
