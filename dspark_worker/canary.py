@@ -213,6 +213,7 @@ class Canary:
         self._sessions: dict[Session, _Shadow] = {}
         self._backlog: deque[_Work] = deque()
         self._backlog_bytes = 0
+        self._in_flight = 0  # STEPs of the chunk on the device, until drafted() has them
         self._lanes: dict[Session, dict[int, int]] = {}  # device thread only
         self.lanes_used = 0
         self.shed_entries = 0
@@ -232,7 +233,8 @@ class Canary:
 
     @property
     def backlog_steps(self) -> int:
-        return len(self._backlog)
+        """STEPs waiting for the canary, the chunk on the device included."""
+        return len(self._backlog) + self._in_flight
 
     # -- the loop thread: what the serving STEPs show ----------------------------------------
     def observe(self, item: StepItem) -> None:
@@ -346,11 +348,11 @@ class Canary:
         self._backlog.append(_FreeLanes(session))
 
     def _close(self, chain: _Chain | None) -> None:
+        """No token will come for the chain: its blocks still undecided count nowhere."""
         if chain is None or chain.closed:
             return
         chain.closed = True
-        self.censored += len(chain.pending)
-        chain.pending.clear()
+        self._judge(chain)
 
     # -- the device thread -------------------------------------------------------------------
     def pending(self) -> bool:
@@ -371,6 +373,7 @@ class Canary:
             seen.add(id(w.session))
             entries += w.entries
             chunk.append(w)
+        self._in_flight = sum(isinstance(w, _StepWork) for w in chunk)
         return chunk
 
     def run(self, chunk: list[_Work]) -> list[tuple[_Chain, _Block]]:
@@ -453,11 +456,12 @@ class Canary:
 
     # -- the loop thread: judging -----------------------------------------------------------
     def drafted(self, blocks: list[tuple[_Chain, _Block]]) -> None:
-        """The canary's drafts of a chunk are back: judge each against its chain."""
+        """The canary's drafts of a chunk are back (none when it failed): judge each against
+        its chain."""
+        self._in_flight = 0
         for chain, block in blocks:
-            if chain.closed:
-                self.censored += 1
-                continue
+            # A chain that ended still judges the blocks its tokens decide: the canary may
+            # draft them well after the request (or the session) is gone.
             chain.pending[block.anchor] = block
             self._judge(chain)
 
@@ -466,8 +470,8 @@ class Canary:
             block = chain.pending[anchor]
             got = chain.outcome(block)
             if got is None:
-                if anchor + 1 < chain.base:  # its tokens were let go: it lagged too far
-                    del chain.pending[anchor]
+                if chain.closed or anchor + 1 < chain.base:  # no token will come, or its
+                    del chain.pending[anchor]  # tokens were let go (it lagged too far)
                     self.censored += 1
                 continue
             del chain.pending[anchor]
@@ -503,7 +507,7 @@ class Canary:
                     "drafter_identity": self.drafter_identity.hex(),
                     "markov_identity": self.markov_identity.hex(),
                     "fraction": self.fraction, "lanes": self.capacity_lanes,
-                    "lanes_used": self.lanes_used, "backlog_steps": len(self._backlog),
+                    "lanes_used": self.lanes_used, "backlog_steps": self.backlog_steps,
                     "shed_entries": self.shed_entries, "censored_blocks": self.censored,
                     "acceptance": self.totals.summary(),
                     "serving_acceptance": serving.summary()}

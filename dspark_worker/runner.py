@@ -275,7 +275,7 @@ class Runner:
             if self.shadow_errors == 1 or self.shadow_errors % 1000 == 0:
                 log.error("canary drafting failed (%d times): %s: %s", self.shadow_errors,
                           type(exc).__name__, exc, exc_info=exc)
-            return
+            result = []
         shadow.drafted(result)
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[Op]) -> None:
