@@ -15,7 +15,7 @@ many blocks the canary judged and shed meanwhile. Pairs alternate which worker g
 pinned to it, then a reload of a second version (the same files under a config whose candidate
 walk differs, so the identities and the weights loaded are another copy); prints the resident
 set and STATS' ``weights_bytes`` with one version, with two, and after the pinned session has
-gone and the first version was unloaded. Every figure of bench/README.md comes with its command.
+gone and the first version was unloaded, and the peak resident set during the reload.
 """
 
 from __future__ import annotations
@@ -180,6 +180,7 @@ def memory(args: argparse.Namespace) -> None:
             pinned = connect_pinned(w, src)
             rows = [figures("one version", w)]
             asked = stats(w)["reloads"]["asked"]
+            Path(f"/proc/{w.pid}/clear_refs").write_text("5")  # its VmHWM := VmRSS
             link.unlink()
             link.symlink_to(second)
             os.kill(w.pid, signal.SIGHUP)
@@ -191,6 +192,7 @@ def memory(args: argparse.Namespace) -> None:
                 time.sleep(0.5)
             rows.append(figures(f"two versions (reload: {st['last']['result']},"
                                 f" {st['last']['seconds']:.1f} s)", w))
+            rows[-1]["peak_rss_during_reload_gib"] = round(hwm_bytes(w.pid) / 2**30, 3)
             pinned.close()
             time.sleep(1.0)
             rows.append(figures("the first unloaded", w))
@@ -206,6 +208,14 @@ def connect_pinned(w: WorkerProcess, folder: Path) -> RemoteDraftClient:
     if not client.wait_ready(120.0):
         raise RuntimeError(f"no HELLO: {client.disabled_reason or client.last_error}")
     return client
+
+
+def hwm_bytes(pid: int) -> int:
+    """The process's peak resident set since its last reset (Linux ``VmHWM``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
 
 
 def figures(what: str, w: WorkerProcess) -> dict[str, Any]:

@@ -492,8 +492,22 @@ class WorkerApp:
 
 
     def _version_unloaded(self, version: Version) -> None:
-        if self.runner is not None:  # after the session's lanes are freed, in order
-            self.runner.submit_call(release_device_memory, version.drafter.device)
+        """Nothing may hold the version's model once its last lanes are freed: what the app
+        and the runner keep of the drafter now is the newest's."""
+        assert self.versions is not None
+        newest = self.versions.newest
+        self.drafter, self.pool = newest.drafter, newest.pool
+        if self.runner is not None:
+            self.runner.drafter, self.runner.pool = newest.drafter, newest.pool
+            # in order with the STEPs: after the lane frees of its sessions
+            self.runner.submit_call(self._release_version, version)
+
+    @staticmethod
+    def _release_version(version: Version) -> None:
+        """The device thread, after the version's sessions' lanes were freed."""
+        device = version.drafter.device if version.drafter is not None else "cpu"
+        version.drafter = version.pool = None
+        release_device_memory(device)
 
     def request_reload(self, trigger: str) -> int | None:
         """Read --checkpoint (and --canary-checkpoint) again and load what changed beside what

@@ -55,25 +55,19 @@ class Version:
 
     number: int  # 1, 2, ... in the order this worker loaded them
     name: str
-    drafter: Any
-    pool: Any  # its RingPool over the shared ring memory
+    drafter: Any  # None once unloaded (its model and rings' view freed)
+    pool: Any  # its RingPool over the shared ring memory; None once unloaded
     info: Any  # the WorkerInfo its HELLO replies carry (its identities)
     source: str
     loaded_at: float  # Unix time
     weights_bytes: int
+    drafter_identity: bytes
+    markov_identity: bytes
     has_confidence: bool = True  # False: a drafter without a confidence head
     sessions: int = 0
     loaded: bool = True
     superseded: bool = False  # another version serves new HELLOs (RPF_NEWER_DRAFTER)
     extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def drafter_identity(self) -> bytes:
-        return bytes(self.drafter.drafter_identity)
-
-    @property
-    def markov_identity(self) -> bytes:
-        return bytes(self.drafter.markov_identity)
 
     @property
     def label(self) -> str:
@@ -131,6 +125,7 @@ def make_version(number: int, drafter: Any, pool: Any, base_info: Any) -> Versio
                    pool=pool, info=replace(base_info, drafter_identity=d_id,
                                            markov_identity=m_id),
                    source=source, loaded_at=time.time(), weights_bytes=weights_bytes(drafter),
+                   drafter_identity=d_id, markov_identity=m_id,
                    has_confidence=bool(getattr(drafter, "has_confidence", True)))
 
 
@@ -202,8 +197,8 @@ class Versions:
             return []
         self.loaded.remove(version)
         version.loaded = False
-        # The model and its rings' view go with the last reference: a STEP or lane operation
-        # of a dropped session still queued keeps them until it has run.
+        # ``on_unload`` lets go of the model and its rings' view once every lane operation of
+        # its dropped sessions has run (in order on the device thread).
         log.info("version %d %s unloaded: no session holds it any more (%d loaded, newest %d"
                  " %s)", version.number, version.name, len(self.loaded), self.newest.number,
                  self.newest.name)
