@@ -4,12 +4,14 @@
     python bench/bench_canary.py memory DIR    # DIR from: python bench/bench_loading.py make DIR
 
 ``rtt``: two real workers on the reference drafter, one with a canary (the reference drafter
-perturbed, ``--canary-fraction 1``: every slot shadowed) and one without, driven in turn by the
-same engine: the reference target decoding held-out prompts greedily through ``DraftRounds``
-(between rounds the target verifies, which is the room the canary drafts in), then the same
-STEPs replayed back to back with no verify between them (no room: the canary must wait and
-shed, not delay). Prints the round trip's percentiles per worker and mode, their ratio, and how
-many blocks the canary judged and shed meanwhile. Pairs alternate which worker goes first.
+perturbed, ``--canary-fraction 1``: every slot shadowed) and one without. The engine's STEPs
+are recorded once (the reference target decoding held-out prompts greedily through
+``DraftRounds``), then replayed against each worker in turn on new sessions: with
+``--think-ms`` between rounds (the engine verifying on its own device: the room the canary
+drafts in; a sleep, so that the engine's own compute does not compete for the worker's CPU)
+and back to back (no room: the canary must wait, not delay). Prints the round trip's
+percentiles per worker and mode, their ratio, and the blocks the canary judged and shed.
+Pairs alternate which worker goes first.
 
 ``memory``: one worker on a real-size checkpoint (bf16 on the CPU, a small ring pool), a session
 pinned to it, then a reload of a second version (the same files under a config whose candidate
@@ -69,6 +71,16 @@ def connect(w: WorkerProcess, folder: Path, name: str) -> RemoteDraftClient:
     return client
 
 
+def settle(w: WorkerProcess) -> None:
+    """Until the worker's canary (if any) has no backlog left."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        canary = stats(w)["canary"]
+        if canary is None or not canary["backlog_steps"]:
+            return
+        time.sleep(0.05)
+
+
 def percentiles(us: list[float]) -> dict[str, float]:
     a = np.asarray(us)
     return {f"p{q}_us": round(float(np.percentile(a, q)), 1) for q in (50, 90, 99)} | {
@@ -108,53 +120,67 @@ def rtt(args: argparse.Namespace) -> None:
     candidate = perturbed_reference(tmp / "candidate")
     common = ("--window", str(W), "--max-slots", str(SLOTS), "--max-total-slots",
               str(2 * SLOTS), "--device", "cpu", "--threads", "1", "--log-level", "WARNING")
-    prompts = heldout_prompts(args.prompts, 96)
-    out: dict[str, dict[str, list[float]]] = {m: {"off": [], "on": []}
-                                              for m in ("engine", "back-to-back")}
+    modes = {"room": args.think_ms / 1000.0, "back-to-back": 0.0}
+    out: dict[str, dict[str, list[float]]] = {m: {"off": [], "on": []} for m in modes}
+    # per pair and mode, the p50 of each worker's run: their ratio, pair by pair, is what holds
+    # while the machine's speed drifts
+    pair_p50: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    waiting: dict[str, list[Any]] = {m: [] for m in modes}
     canary = {"judged": 0, "shed": 0}
     try:
         with start_worker(*common) as off, start_worker(
                 "--canary-checkpoint", str(candidate), "--canary-fraction", "1",
                 *common) as on:
+            # The engine's STEPs, once: the reference target decoding greedily.
+            client = connect(off, REFERENCE_DIR, "bench-record")
+            source = Recording(DraftRounds(client))
+            SpeculativeDecoder(target, source, max_len=512, stop_at_eos=False).generate(
+                heldout_prompts(args.prompts, 96), args.tokens)
+            client.close()
             workers = {"off": off, "on": on}
             for pair in range(args.pairs):
                 order = ("off", "on") if pair % 2 == 0 else ("on", "off")
+                for mode in modes:
+                    pair_p50[mode].append({})
                 for which in order:
                     w = workers[which]
-                    before = stats(w)["canary"]
-                    client = connect(w, REFERENCE_DIR, f"bench-{which}-{pair}")
-                    rounds = DraftRounds(client)
-                    source = Recording(rounds)
-                    dec = SpeculativeDecoder(target, source, max_len=512, stop_at_eos=False)
-                    dec.generate(prompts, args.tokens)
-                    out["engine"][which] += dec.stats.rtt_us
-                    client.close()
-                    # The same STEPs again, back to back: a new session, the same rows.
-                    client = connect(w, REFERENCE_DIR, f"bench-{which}-{pair}-tight")
-                    rounds = DraftRounds(client)
-                    for reqs, release in source.log:
-                        res = rounds.run(reqs, release=release)
-                        if res.ok and res.rtt_us:
-                            out["back-to-back"][which].append(res.rtt_us)
-                    client.close()
-                    if which == "on":
-                        deadline = time.monotonic() + 30
-                        while (stats(w)["canary"]["backlog_steps"]
-                               and time.monotonic() < deadline):
-                            time.sleep(0.05)
-                        after = stats(w)["canary"]
-                        canary["judged"] += (after["acceptance"]["rounds"]
-                                             - before["acceptance"]["rounds"])
-                        canary["shed"] += after["shed_entries"] - before["shed_entries"]
+                    for mode, think in modes.items():
+                        before = stats(w)["canary"]
+                        client = connect(w, REFERENCE_DIR, f"bench-{which}-{pair}-{mode}")
+                        rounds = DraftRounds(client)
+                        run: list[float] = []
+                        for reqs, release in source.log:
+                            res = rounds.run(reqs, release=release)
+                            if res.ok and res.rtt_us:
+                                run.append(res.rtt_us)
+                            if think:
+                                time.sleep(think)  # the engine verifies on its own device
+                        client.close()
+                        if which == "on":  # what waited for the canary when the run ended
+                            c = stats(w)["canary"]
+                            waiting[mode].append((c["backlog_steps"], c["device_room"]))
+                        out[mode][which] += run
+                        pair_p50[mode][-1][which] = float(np.median(run))
+                        settle(w)  # the canary's catch-up must not overlap the next run
+                        if which == "on":
+                            after = stats(w)["canary"]
+                            canary["judged"] += (after["acceptance"]["rounds"]
+                                                 - before["acceptance"]["rounds"])
+                            canary["shed"] += after["shed_entries"] - before["shed_entries"]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result: dict[str, Any] = {"prompts": args.prompts, "tokens": args.tokens,
-                              "pairs": args.pairs, "canary": canary}
+                              "rounds_per_run": len(source.log), "pairs": args.pairs,
+                              "think_ms": args.think_ms, "canary": canary}
     for mode, by in out.items():
         off_p, on_p = percentiles(by["off"]), percentiles(by["on"])
+        ratios = sorted(p["on"] / p["off"] for p in pair_p50[mode])
         result[mode] = {"off": off_p, "on": on_p,
                         "ratio_p50": round(on_p["p50_us"] / off_p["p50_us"], 3),
-                        "ratio_p90": round(on_p["p90_us"] / off_p["p90_us"], 3)}
+                        "ratio_p90": round(on_p["p90_us"] / off_p["p90_us"], 3),
+                        "pair_ratios_p50": [round(r, 3) for r in ratios],
+                        "median_pair_ratio_p50": round(float(np.median(ratios)), 3),
+                        "canary_backlog_and_room_at_end": waiting[mode]}
     print(json.dumps(result, indent=1))
 
 
@@ -232,6 +258,8 @@ def main() -> None:
     r.add_argument("--pairs", type=int, default=3)
     r.add_argument("--prompts", type=int, default=4)
     r.add_argument("--tokens", type=int, default=96)
+    r.add_argument("--think-ms", type=float, default=20.0,
+                   help="the engine's verify between rounds in the room mode (default: 20)")
     m = sub.add_parser("memory")
     m.add_argument("checkpoint")
     args = p.parse_args()

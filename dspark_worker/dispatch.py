@@ -42,6 +42,7 @@ go only to its own connection)::
                         "drafter_identity": hex, "markov_identity": hex, "fraction": float,
                         "lanes": int, "lanes_used": int, "backlog_steps": int,
                         "shed_entries": int, "censored_blocks": int,
+                        "device_room": {"gap_ms": float | null, "chunk_ms": float | null},
                         "acceptance": ACCEPTANCE, "serving_acceptance": ACCEPTANCE},
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
                  "max_connections", "max_frame_bytes", "session_idle_s",
@@ -893,7 +894,7 @@ class Dispatcher:
             "drafter_name": self.versions.newest.name,
             "confidence_head": i.has_confidence,
             "versions": self.versions_summary(),
-            "canary": self.canary.summary() if self.canary is not None else None,
+            "canary": self._canary_summary(),
             "limits": dict(i.limits),
             "queue_steps": self.runner.queued_steps,
             "sessions": sessions,
@@ -904,6 +905,16 @@ class Dispatcher:
             out.update(self.stats_extra())
         return out
 
+
+    def _canary_summary(self) -> dict[str, Any] | None:
+        if self.canary is None:
+            return None
+        out: dict[str, Any] = self.canary.summary()
+        room = getattr(self.runner, "room", None)
+        gap, chunk = (room.gap, room.chunk) if room is not None else (None, None)
+        out["device_room"] = {"gap_ms": None if gap is None else round(gap * 1e3, 3),
+                              "chunk_ms": None if chunk is None else round(chunk * 1e3, 3)}
+        return out
 
     def versions_summary(self) -> list[dict[str, Any]]:
         """The kept versions, loaded or not, for STATS."""

@@ -594,25 +594,30 @@ class Runner:
 
 
 class IdleRoom:
-    """Whether the device has room for a chunk of shadow work now: the engines' usual gap
-    between a batch's end and the next STEP (a moving average of the gaps seen while nothing
-    was queued) against how long a chunk takes. A chunk runs when it should end before the
-    next STEP is due, or once that STEP is overdue (traffic paused); engines that send STEPs
-    back to back leave no room, and the shadow work waits, then is shed."""
+    """Whether the device has room for a chunk of shadow work now: the shortest of the last
+    GAPS gaps between a batch's end and the next STEP (taken while nothing was queued) against
+    how long a chunk takes (a moving average). A chunk runs when it should end before the next
+    STEP is due, or once that STEP is overdue (traffic paused). The shortest, not a mean: one
+    engine that starts sending STEPs back to back stops the shadow work at its first short
+    gap, and it resumes only after GAPS long ones."""
 
-    WEIGHT: Final = 0.2  # of the newest sample in each moving average
+    GAPS: Final = 8
+    WEIGHT: Final = 0.2  # of the newest chunk in the moving average
 
     def __init__(self) -> None:
-        self.gap: float | None = None
+        self._gaps: deque[float] = deque(maxlen=self.GAPS)
         self.chunk: float | None = None
         self._end = 0.0
+
+    @property
+    def gap(self) -> float | None:
+        return min(self._gaps) if self._gaps else None
 
     def batch_done(self, t: float) -> None:
         self._end = t
 
     def step_arrived(self, t: float) -> None:
-        gap = max(t - self._end, 0.0)
-        self.gap = gap if self.gap is None else self.gap + self.WEIGHT * (gap - self.gap)
+        self._gaps.append(max(t - self._end, 0.0))
 
     def chunk_done(self, seconds: float) -> None:
         self.chunk = (seconds if self.chunk is None
@@ -620,12 +625,13 @@ class IdleRoom:
 
     def wait(self, now: float) -> float:
         """Seconds to wait before a chunk fits (0: now)."""
-        if self.gap is None or self.chunk is None:
+        gap = self.gap
+        if gap is None or self.chunk is None:
             return 0.0
         idle = now - self._end
-        if self.gap - idle >= self.chunk:
+        if gap - idle >= self.chunk:
             return 0.0
-        return max(0.0, 2 * self.gap + self.chunk - idle)
+        return max(0.0, 2 * gap + self.chunk - idle)
 
 
 class NonFiniteOutput(InternalError):
