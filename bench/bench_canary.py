@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -44,29 +43,18 @@ from dspark_client import hello_from_checkpoint  # noqa: E402
 from dspark_client.client import RemoteDraftClient  # noqa: E402
 from dspark_client.config import RemoteConfig  # noqa: E402
 from dspark_client.rounds import DraftRounds  # noqa: E402
-from protocol.constants import OP_STATS  # noqa: E402
-from protocol.framing import FrameDecoder, frame  # noqa: E402
-from tests.support.worker_proc import WorkerProcess, start_worker  # noqa: E402
+from tests.support.worker_proc import WorkerProcess, start_worker, worker_stats  # noqa: E402
 
 W, SLOTS = 256, 8
 
 
-def stats(w: WorkerProcess) -> dict[str, Any]:
-    assert w.host is not None and w.port is not None
-    with socket.create_connection((w.host, w.port), timeout=30) as sock:
-        sock.sendall(frame(OP_STATS, 1, 0))
-        decoder, frames = FrameDecoder(), []
-        while not frames:
-            frames += decoder.feed(sock.recv(1 << 20))
-    return dict(json.loads(bytes(frames[0].body)))
-
-
-def connect(w: WorkerProcess, folder: Path, name: str) -> RemoteDraftClient:
-    hello = hello_from_checkpoint(folder, window=W, max_slots=SLOTS, max_rows_per_step=4096,
-                                  client_name=name)
-    client = RemoteDraftClient(RemoteConfig(endpoint=w.endpoint or "", timeout_ms=30_000,
-                                            connect_timeout_ms=30_000), hello)
-    if not client.wait_ready(60.0):
+def connect(w: WorkerProcess, folder: Path, name: str, *, window: int = W,
+            max_slots: int = SLOTS) -> RemoteDraftClient:
+    hello = hello_from_checkpoint(folder, window=window, max_slots=max_slots,
+                                  max_rows_per_step=4096, client_name=name)
+    client = RemoteDraftClient(RemoteConfig(endpoint=w.endpoint or "", timeout_ms=60_000,
+                                            connect_timeout_ms=60_000), hello)
+    if not client.wait_ready(120.0):
         raise RuntimeError(f"no HELLO: {client.disabled_reason or client.last_error}")
     return client
 
@@ -75,7 +63,7 @@ def settle(w: WorkerProcess) -> None:
     """Until the worker's canary (if any) has no backlog left."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        canary = stats(w)["canary"]
+        canary = worker_stats(w)["canary"]
         if canary is None or not canary["backlog_steps"]:
             return
         time.sleep(0.05)
@@ -145,7 +133,7 @@ def rtt(args: argparse.Namespace) -> None:
                 for which in order:
                     w = workers[which]
                     for mode, think in modes.items():
-                        before = stats(w)["canary"]
+                        before = worker_stats(w)["canary"]
                         client = connect(w, REFERENCE_DIR, f"bench-{which}-{pair}-{mode}")
                         rounds = DraftRounds(client)
                         run: list[float] = []
@@ -157,13 +145,13 @@ def rtt(args: argparse.Namespace) -> None:
                                 time.sleep(think)  # the engine verifies on its own device
                         client.close()
                         if which == "on":  # what waited for the canary when the run ended
-                            c = stats(w)["canary"]
+                            c = worker_stats(w)["canary"]
                             waiting[mode].append((c["backlog_steps"], c["device_room"]))
                         out[mode][which] += run
                         pair_p50[mode][-1][which] = float(np.median(run))
                         settle(w)  # the canary's catch-up must not overlap the next run
                         if which == "on":
-                            after = stats(w)["canary"]
+                            after = worker_stats(w)["canary"]
                             canary["judged"] += (after["acceptance"]["rounds"]
                                                  - before["acceptance"]["rounds"])
                             canary["shed"] += after["shed_entries"] - before["shed_entries"]
@@ -203,16 +191,16 @@ def memory(args: argparse.Namespace) -> None:
                           "--window", "256", "--max-slots", "8", "--max-total-slots", "8",
                           "--threads", "1", "--log-level", "WARNING", env=env,
                           timeout=600) as w:
-            pinned = connect_pinned(w, src)
+            pinned = connect(w, src, "pinned", window=256, max_slots=4)
             rows = [figures("one version", w)]
-            asked = stats(w)["reloads"]["asked"]
+            asked = worker_stats(w)["reloads"]["asked"]
             Path(f"/proc/{w.pid}/clear_refs").write_text("5")  # its VmHWM := VmRSS
             link.unlink()
             link.symlink_to(second)
             os.kill(w.pid, signal.SIGHUP)
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:
-                st = stats(w)["reloads"]
+                st = worker_stats(w)["reloads"]
                 if st["asked"] > asked and not st["running"]:
                     break
                 time.sleep(0.5)
@@ -227,15 +215,6 @@ def memory(args: argparse.Namespace) -> None:
     print(json.dumps(rows, indent=1))
 
 
-def connect_pinned(w: WorkerProcess, folder: Path) -> RemoteDraftClient:
-    hello = hello_from_checkpoint(folder, window=256, max_slots=4, client_name="pinned")
-    client = RemoteDraftClient(RemoteConfig(endpoint=w.endpoint or "", timeout_ms=60_000,
-                                            connect_timeout_ms=60_000), hello)
-    if not client.wait_ready(120.0):
-        raise RuntimeError(f"no HELLO: {client.disabled_reason or client.last_error}")
-    return client
-
-
 def hwm_bytes(pid: int) -> int:
     """The process's peak resident set since its last reset (Linux ``VmHWM``)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -245,7 +224,7 @@ def hwm_bytes(pid: int) -> int:
 
 
 def figures(what: str, w: WorkerProcess) -> dict[str, Any]:
-    st = stats(w)
+    st = worker_stats(w)
     return {"state": what, "rss_gib": round(st["memory"]["rss_bytes"] / 2**30, 3),
             "versions": [(v["version"], v["role"], round(v["weights_bytes"] / 2**30, 3))
                          for v in st["versions"]]}

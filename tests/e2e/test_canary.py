@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -35,10 +33,8 @@ from dspark_client.demo.speculative import RemoteDrafts, SpeculativeDecoder
 from dspark_client.demo.target import TargetModel, default_target_dir, load_target
 from dspark_client.rounds import DraftRounds, RoundResult, SlotRequest
 from dspark_worker.drafter.drafter import REFERENCE_DIR
-from protocol.constants import OP_STATS
-from protocol.framing import FrameDecoder, frame
 from tests.support.drafters import perturbed_reference
-from tests.support.worker_proc import WorkerProcess, start_worker
+from tests.support.worker_proc import WorkerProcess, start_worker, worker_stats
 
 W, SLOTS, MAX_LEN, NEW_TOKENS = 256, 4, 512, 64
 ARGS = ("--window", str(W), "--max-slots", str(SLOTS), "--max-total-slots", str(2 * SLOTS),
@@ -54,16 +50,6 @@ def target() -> TargetModel:
 @pytest.fixture(scope="module")
 def candidate(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return perturbed_reference(tmp_path_factory.mktemp("canary") / "candidate")
-
-
-def stats(w: WorkerProcess) -> dict[str, Any]:
-    assert w.host is not None and w.port is not None
-    with socket.create_connection((w.host, w.port), timeout=10) as sock:
-        sock.sendall(frame(OP_STATS, 1, 0))
-        decoder, frames = FrameDecoder(), []
-        while not frames:
-            frames += decoder.feed(sock.recv(1 << 20))
-    return dict(json.loads(bytes(frames[0].body)))
 
 
 def connect(w: WorkerProcess, folder: Path, name: str) -> tuple[RemoteDraftClient, DraftRounds]:
@@ -131,7 +117,7 @@ def served(target: TargetModel, candidate: Path) -> Iterator[dict[str, Any]]:
             live = [s for s in live if s not in done]
         client.close()  # GOODBYE: the session goes, and its chains end
         deadline = time.monotonic() + 20
-        while (st := stats(w))["canary"]["backlog_steps"] and time.monotonic() < deadline:
+        while (st := worker_stats(w))["canary"]["backlog_steps"] and time.monotonic() < deadline:
             time.sleep(0.05)
         yield {"stats": st, "log": source.log, "tokens": {s.slot: s.tokens for s in seqs},
                "failed": dec.stats.failed_rounds, "worker": w}

@@ -15,11 +15,9 @@ each SIGHUP, as an operator would:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -37,8 +35,7 @@ from dspark_client.rounds import DraftRounds, RoundResult, SlotRequest
 from dspark_worker.drafter import load_drafter
 from dspark_worker.drafter.drafter import REFERENCE_DIR
 from protocol import wire
-from protocol.constants import OP_STATS, RF_RESET
-from protocol.framing import FrameDecoder, frame
+from protocol.constants import RF_RESET
 from tests.support.drafters import (
     broken_copy,
     cut_short_copy,
@@ -46,7 +43,7 @@ from tests.support.drafters import (
     perturbed_reference,
 )
 from tests.support.local_drafts import LocalDrafts
-from tests.support.worker_proc import WorkerProcess, start_worker
+from tests.support.worker_proc import WorkerProcess, start_worker, worker_stats
 
 W, SLOTS, ROWS = 64, 4, 256
 ARGS = ("--window", str(W), "--max-slots", str(SLOTS), "--max-total-slots", str(4 * SLOTS),
@@ -70,16 +67,6 @@ def worker(folders: dict[str, Path]) -> Iterator[WorkerProcess]:
         yield w
 
 
-def stats(w: WorkerProcess) -> dict[str, Any]:
-    assert w.host is not None and w.port is not None
-    with socket.create_connection((w.host, w.port), timeout=10) as sock:
-        sock.sendall(frame(OP_STATS, 1, 0))
-        decoder, frames = FrameDecoder(), []
-        while not frames:
-            frames += decoder.feed(sock.recv(1 << 20))
-    return dict(json.loads(bytes(frames[0].body)))
-
-
 def scrape(w: WorkerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(f"{w.metrics_url}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -94,12 +81,12 @@ def reload(w: WorkerProcess, folders: dict[str, Path], target: str,
     link = folders["current"]
     link.unlink()
     link.symlink_to(target)
-    asked = stats(w)["reloads"]["asked"]
+    asked = worker_stats(w)["reloads"]["asked"]
     os.kill(w.pid, signal.SIGHUP)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         meanwhile()
-        st = stats(w)["reloads"]
+        st = worker_stats(w)["reloads"]
         if st["asked"] > asked and not st["running"]:
             return dict(st["last"])
     raise AssertionError(f"the reload did not finish: {w.log_text()[-2000:]}")
@@ -181,7 +168,7 @@ def test_pinned_engine_runs_through_reloads_and_a_new_engine_gets_the_new_drafte
         step()
     # Not a round lost, not a reconnect (which would have resynced every slot).
     assert pinned.epoch == 1 and pinned.stats.get("rounds_failed", 0) == 0 and steps >= 10
-    st = stats(worker)
+    st = worker_stats(worker)
     assert [(v["version"], v["role"], v["sessions"]) for v in st["versions"]] == [
         (1, "older", 1), (2, "newest", 0)]
     assert st["drafter_name"].startswith("B@") and st["versions"][0]["name"].startswith("A@")
@@ -213,9 +200,9 @@ def test_pinned_engine_runs_through_reloads_and_a_new_engine_gets_the_new_drafte
     # The pinned engine leaves: its version goes, and nobody can HELLO it any more.
     pinned.close()
     deadline = time.monotonic() + 10
-    while stats(worker)["versions"][0]["role"] != "unloaded" and time.monotonic() < deadline:
+    while worker_stats(worker)["versions"][0]["role"] != "unloaded" and time.monotonic() < deadline:
         time.sleep(0.05)
-    st = stats(worker)
+    st = worker_stats(worker)
     assert [(v["version"], v["role"]) for v in st["versions"]] == [(1, "unloaded"),
                                                                    (2, "newest")]
     assert st["versions"][0]["weights_bytes"] == 0 and st["versions"][1]["weights_bytes"] > 0
@@ -232,7 +219,7 @@ def test_pinned_engine_runs_through_reloads_and_a_new_engine_gets_the_new_drafte
 
 def test_a_following_engine_moves_to_the_new_version_resyncing_each_slot_once(
         worker: WorkerProcess, folders: dict[str, Path]) -> None:
-    newest = stats(worker)["versions"][-1]
+    newest = worker_stats(worker)["versions"][-1]
     client = connect(worker, hello_for(folders["A"], "follower"), follow_drafter=True)
     assert client.worker_info is not None
     assert client.worker_info.drafter_identity.hex() == newest["drafter_identity"]
@@ -268,7 +255,7 @@ def test_a_following_engine_moves_to_the_new_version_resyncing_each_slot_once(
             moved = True
         time.sleep(0.02)  # the engine's verify: the connect thread moves meanwhile
     assert client.epoch == first_epoch + 1 and client.stats.get("drafter_follows") == 1
-    assert client.worker_info.drafter_identity.hex() == stats(worker)["drafter_identity"]
+    assert client.worker_info.drafter_identity.hex() == worker_stats(worker)["drafter_identity"]
     resets = np.concatenate([e["slot"][(e["flags"] & RF_RESET) != 0] for e in sent[at_reload:]])
     assert sorted(resets.tolist()) == list(range(SLOTS))  # one resync per slot, no more
     client.close()
