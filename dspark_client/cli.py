@@ -577,7 +577,8 @@ def cmd_reload(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
         raise CliError("reload needs --auth-secret-file: RELOAD is signed with the worker's"
                        " HELLO secret (without one, send the worker SIGHUP)", EXIT_USAGE)
     with ctx.connect() as conn:
-        h, body = ctx.request(conn, wire.OP_RELOAD, reload_body(ctx.secret))
+        h, body = ctx.request(conn, wire.OP_RELOAD,
+                              reload_body(ctx.secret, int(time.time() * 1000)))
     if h.status != wire.ST_OK:
         raise _worker_error(f"RELOAD refused: {_status_name(h.status)}")
     number = int(json.loads(body)["reload"])

@@ -13,7 +13,6 @@ import hashlib
 import hmac
 import os
 import struct
-import time
 
 import msgspec
 
@@ -74,11 +73,11 @@ def reload_tag(secret: bytes, at_ms: int, nonce: bytes) -> bytes:
                     hashlib.sha256).digest()
 
 
-def reload_body(secret: bytes, at_ms: int | None = None, nonce: bytes | None = None) -> bytes:
-    """A RELOAD request body signed now (or at ``at_ms``) with a fresh nonce."""
-    at = int(time.time() * 1000) if at_ms is None else at_ms
+def reload_body(secret: bytes, at_ms: int, nonce: bytes | None = None) -> bytes:
+    """A RELOAD request body signed at ``at_ms`` (the Unix time now, in ms) with a fresh
+    nonce."""
     n = os.urandom(8) if nonce is None else nonce
-    return RELOAD_BODY.pack(at, n, reload_tag(secret, at, n))
+    return RELOAD_BODY.pack(at_ms, n, reload_tag(secret, at_ms, n))
 
 
 def verify_reload(secret: bytes, body: bytes | memoryview, now_s: float) -> tuple[int, bytes]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from worker_harness import ThreadWorker, make_hello, thread_worker, wait_until
+from worker_harness import ThreadWorker, make_hello, tap_rows, thread_worker, wait_until
 
 import dspark_worker.app as app_module
 from dspark_client import cli
@@ -22,7 +22,16 @@ from dspark_worker.canary import shadowed_slots
 from dspark_worker.drafter import load_drafter
 from dspark_worker.drafter.drafter import REFERENCE_DIR
 from protocol.auth import reload_body
-from protocol.constants import HF_FOLLOW, OP_RELOAD, ST_AUTH, ST_BAD_FRAME, ST_OK
+from protocol.constants import (
+    HF_FOLLOW,
+    OP_RELOAD,
+    RF_NEED_DRAFT,
+    SAMPLE_TOP32,
+    ST_AUTH,
+    ST_BAD_FRAME,
+    ST_OK,
+)
+from protocol.messages import ReqEntry
 from tests.support.drafters import broken_copy, perturbed_reference
 
 
@@ -168,7 +177,7 @@ def test_reload_over_the_wire_under_the_secret(folders: dict[str, Path], drafter
                         out=io.StringIO()) == 1
         assert cli.main(["reload", "--endpoint", endpoint], out=io.StringIO()) == 2
         with w.connect() as c:  # a captured RELOAD, sent again: refused
-            body = reload_body(b"reload-secret")
+            body = reload_body(b"reload-secret", int(time.time() * 1000))
             assert c.request(OP_RELOAD, body, session=0).status == ST_OK
             assert c.request(OP_RELOAD, body, session=0).status == ST_AUTH
             old = reload_body(b"reload-secret", at_ms=int((time.time() - 120) * 1000))
@@ -179,4 +188,34 @@ def test_reload_over_the_wire_under_the_secret(folders: dict[str, Path], drafter
 
 def test_reload_over_the_wire_needs_a_secret(worker: ThreadWorker) -> None:
     with worker.connect() as c:
-        assert c.request(OP_RELOAD, reload_body(b"x"), session=0).status == ST_AUTH
+        body = reload_body(b"x", int(time.time() * 1000))
+        assert c.request(OP_RELOAD, body, session=0).status == ST_AUTH
+
+
+def test_the_canary_shadows_sampled_sessions_with_their_own_seeds(
+        folders: dict[str, Path], drafter: Any) -> None:
+    """A sampled session's shadow drafts are drawn with the entries' sampling fields and
+    judged like any other (the figure is an estimate there: docs/operations.md)."""
+    point(folders["canary"], folders["B"])
+    with thread_worker(drafter, canary_checkpoint=str(folders["canary"]),
+                       canary_fraction=1.0) as w, w.connect() as c:
+        hello = make_hello(drafter, sample_mode=SAMPLE_TOP32, max_slots=2, client_name="s")
+        assert c.hello(hello).status == ST_OK
+        rb, anchor, rows = drafter.row_bytes, 12, 12
+        for _ in range(12):
+            entries = [ReqEntry(slot=s, generation=1, anchor_pos=anchor + s, anchor_token=7 + s,
+                                n_rows=rows, flags=RF_NEED_DRAFT, seed=99 + s, top_k=32,
+                                temperature=0.7, top_p=0.95) for s in range(2)]
+            data = np.concatenate([tap_rows(rb, s, 1, anchor + s - rows, rows)
+                                   for s in range(2)])
+            r = c.step(entries, data, rb)
+            assert r.status == ST_OK
+            anchor, rows = anchor + 1, 1  # nothing accepted: the next token is the anchor's
+            time.sleep(0.01)
+        assert wait_until(lambda: w.call(lambda: w.app.canary.backlog_steps) == 0)
+        summary = w.call(lambda: w.app.canary.summary())
+        assert w.call(lambda: w.app.runner.shadow_errors) == 0
+        assert summary["lanes_used"] == 2
+        judged = summary["acceptance"]["rounds"]
+        assert judged + summary["censored_blocks"] >= 20 and judged > 0
+        assert summary["serving_acceptance"]["rounds"] == judged
