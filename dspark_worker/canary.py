@@ -1,30 +1,21 @@
 """The canary: a candidate drafter that drafts in the shadow of the serving versions, judged on
-the tokens the engines actually produce (docs/operations.md, "Ship a new drafter"; contract
-section 8 for what a STEP's rows say).
+the tokens the engines actually produce (docs/operations.md, "The canary"; contract section 8).
 
-For a fraction of each session's slots, every STEP's rows and draft requests are also given to
-the canary, with its own ring pool. Its work runs on the device thread only when no STEP waits
-(``Runner`` asks ``pending()`` between batches), a bounded chunk at a time, so it never holds a
-reply up for more than one chunk; under load its backlog is shed first (oldest STEPs dropped,
-counted), and a slot whose canary window then lacks rows is not drafted until the canary holds
-exactly the rows the serving drafter drafted from.
+For a fraction of each session's slots, every answered STEP's rows and draft requests are
+queued for the canary, which has ring lanes of its own. The runner gives it the device between
+batches, a bounded chunk at a time, only when the idle gaps leave room (``runner.IdleRoom``);
+under load the backlog is shed oldest first, and a slot whose canary window then lacks rows is
+not drafted until it holds exactly the rows the serving drafter drafted from.
 
-Judging. After a STEP at anchor ``p`` the serving drafter's drafts ``d`` are known; the slot's
-next STEP (same generation, no reset or release, the session's very next STEP) has anchor
-``p'``, so ``a = p' - p - 1`` drafts were accepted and the tokens at ``p + 1 .. p'`` are
-``d[:a]`` and the new anchor token. The tokens the following STEPs reveal so accumulate per
-slot, in a chain that a reset, a new generation, a release or a gap ends. A canary block drafted
-at ``p`` is judged once its outcome is certain: at its first draft that differs from the token
-the target produced (accepted = that position), or once every one of its k drafts is matched.
-Under greedy verification the target's tokens do not depend on who drafted, so this is exactly
-the acceptance the canary would have had on those blocks. A block whose chain ends first counts
-nowhere (``censored``). For sampled sessions the canary draws with the session's seed, as the
-serving drafter does, and is judged by the same match: an estimate. A canary equal to the
-serving drafter reads exactly the serving acceptance (its draws are the serving drafts, and a
-draft the rejection sampler turns down is never the token it emits instead); for another it is
-how often its draw lands on the token the target chose, which moves with its acceptance but is
-not it. Beside the canary's totals the serving versions' own are kept over the same judged
-blocks, so the two compare position by position on the same traffic.
+Judging: after a STEP at anchor ``p`` with serving drafts ``d``, the slot's next STEP (same
+generation, no reset or release, the session's very next STEP) at anchor ``p'`` accepted
+``a = p' - p - 1`` of them, so the tokens at ``p + 1 .. p'`` are ``d[:a]`` and the new anchor
+token. These accumulate per slot in a chain (a reset, a new generation, a release or a gap ends
+it). A canary block drafted at ``p`` counts once its outcome is certain: at its first draft that
+differs from the produced token, or once all its k drafts matched; under greedy verification
+that is exactly the acceptance it would have had. A block its chain cannot decide counts
+nowhere (censored). Sampled sessions: drawn with the session's seed and judged by the same
+match, an estimate. The serving versions' outcomes on the same blocks are kept beside it.
 """
 
 from __future__ import annotations
