@@ -463,11 +463,11 @@ class WorkerApp:
                 read.drafter_identity, read.markov_identity):
             return ("unchanged", f"{c.canary_checkpoint} holds canary {old.number} {old.name},"
                     " which runs already", old.number)
-        d = await loop.run_in_executor(loader, build_drafter_for, c, read)
-        del read
-        problem = geometry_problem(d, disp.info)
+        problem = geometry_problem(read.loaded.config, disp.info)
         if problem is not None:
             raise ReloadFailed(f"the canary has {problem}")
+        d = await loop.run_in_executor(loader, build_drafter_for, c, read)
+        del read
         if c.warmup:
             await loop.run_in_executor(loader, d.warmup)
         broken = await loop.run_in_executor(loader, self_check, d)
@@ -544,12 +544,13 @@ class WorkerApp:
         room = versions.room()
         if room is not None:
             raise ReloadFailed(room)
-        d = await loop.run_in_executor(loader, build_drafter_for, c, read)
-        del read  # the host copy of the weights
+        problem = geometry_problem(read.loaded.config, disp.info)  # before any device memory
+        if problem is not None:
+            raise ReloadFailed(problem)
+        d = None
         try:
-            problem = geometry_problem(d, disp.info)
-            if problem is not None:
-                raise ReloadFailed(problem)
+            d = await loop.run_in_executor(loader, build_drafter_for, c, read)
+            del read  # the host copy of the weights
             try:
                 pool = versions.newest.pool.sibling(d.model)
             except ValueError as exc:
@@ -562,7 +563,7 @@ class WorkerApp:
                 raise ReloadFailed(f"its self-check failed: {broken}")
             await self._prepare_version_graphs(loop, d, pool)
         except BaseException:
-            del d
+            d = None
             await loop.run_in_executor(loader, release_device_memory, self.drafter.device)
             raise
         version = make_version(versions.next_number(), d, pool, disp.info)

@@ -101,15 +101,15 @@ def weights_bytes(drafter: Any) -> int:
     return int(total)
 
 
-def geometry_problem(drafter: Any, info: Any) -> str | None:
-    """Why ``drafter`` cannot serve beside what ``info`` describes (the wire geometry every
-    HELLO is checked against), or None."""
+def geometry_problem(config: Any, info: Any) -> str | None:
+    """Why a drafter of ``config`` (a ``DrafterConfig``) cannot serve beside what ``info``
+    describes (the wire geometry every HELLO is checked against), or None."""
     diffs = [f"{name} {mine} (serving {theirs})" for name, mine, theirs in (
-        ("num_spec", drafter.num_spec, info.num_spec),
-        ("row_bytes", drafter.row_bytes, info.row_bytes),
-        ("vocab_size", drafter.vocab_size, info.vocab_size),
-        ("n_taps", drafter.n_taps, info.n_taps),
-        ("hidden", drafter.target_hidden, info.hidden)) if mine != theirs]
+        ("num_spec", config.num_spec, info.num_spec),
+        ("row_bytes", config.row_bytes, info.row_bytes),
+        ("vocab_size", config.vocab_size, info.vocab_size),
+        ("n_taps", config.n_taps, info.n_taps),
+        ("hidden", config.target_hidden_size, info.hidden)) if mine != theirs]
     if not diffs:
         return None
     return "another geometry: " + ", ".join(diffs) + " (engines would need another HELLO;" \
