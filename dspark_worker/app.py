@@ -423,8 +423,10 @@ class WorkerApp:
 
     # -- versions and reload --------------------------------------------------------------------
     def _set_info_metric(self, newest: Version) -> None:
-        """``dspark_worker_info`` names the newest version's identities."""
+        """``dspark_worker_info`` names the newest version's identities, and
+        ``dspark_worker_confidence_head`` says whether it has a confidence head."""
         d = newest.drafter
+        self.metrics.confidence_head.set(1 if newest.has_confidence else 0)
         self.metrics.info.clear()
         self.metrics.info.labels(version=__version__, worker_name=newest.info.worker_name,
                                  device=str(d.device), dtype=_dtype_name(d.dtype),

@@ -210,7 +210,8 @@ class Canary:
         self.shed_entries = 0
         self.censored = 0
         self.no_lane = 0
-        self.totals = AcceptanceTotals(num_spec)
+        self.has_confidence = bool(getattr(drafter, "has_confidence", True))
+        self.totals = AcceptanceTotals(num_spec, self.has_confidence)
         self.serving: dict[int, tuple[str, AcceptanceTotals]] = {}  # by serving version
         self._lock = threading.Lock()  # the scrape reads the totals
 
@@ -477,7 +478,8 @@ class Canary:
                 name = version.name if version is not None else "serving"
                 entry = self.serving.get(number)
                 if entry is None:
-                    entry = self.serving[number] = (name, AcceptanceTotals(self.num_spec))
+                    entry = self.serving[number] = (name, AcceptanceTotals(
+                        self.num_spec, version.has_confidence if version is not None else True))
                 _count(entry[1], k_s, a_s, conf_s)
 
     # -- reading ----------------------------------------------------------------------------
@@ -490,7 +492,8 @@ class Canary:
 
     def summary(self) -> dict[str, Any]:
         with self._lock:
-            serving = AcceptanceTotals(self.num_spec)
+            serving = AcceptanceTotals(self.num_spec, all(
+                t.has_confidence for _, t in self.serving.values()))
             for _, t in self.serving.values():
                 for attr in ("lengths", "drafted_hist", "predicted"):
                     getattr(serving, attr)[:] += getattr(t, attr)
@@ -509,8 +512,8 @@ def _count(t: AcceptanceTotals, k: int, accepted: int, confidence: npt.NDArray[n
     """One judged block of k drafts, ``accepted`` of them accepted, into ``t``."""
     t.lengths[accepted] += 1
     t.drafted_hist[k] += 1
-    surv = np.cumprod(np.asarray(confidence[:k], dtype=np.float64))
-    t.predicted[:k] += surv
+    if t.has_confidence:  # without a confidence head nothing is predicted
+        t.predicted[:k] += np.cumprod(np.asarray(confidence[:k], dtype=np.float64))
 
 
 def canary_lanes(fraction: float, max_total_slots: int) -> int:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
+from protocol.constants import CAP_NO_CONFIDENCE
+
 from .config import DEFAULT_MAX_VERSIONS
 
 log = logging.getLogger("dspark_worker")
@@ -67,7 +69,6 @@ class Version:
     sessions: int = 0
     loaded: bool = True
     superseded: bool = False  # another version serves new HELLOs (RPF_NEWER_DRAFTER)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -117,16 +118,20 @@ def geometry_problem(config: Any, info: Any) -> str | None:
 
 
 def make_version(number: int, drafter: Any, pool: Any, base_info: Any) -> Version:
+    """Version ``number`` of ``drafter``: its HelloReply values are ``base_info``'s with its
+    own identities and confidence capability (6.1, 6.5)."""
     source = str(getattr(drafter, "source", "") or "drafter")
     if os.path.isdir(source):  # the folder itself, where --checkpoint is a symlink to it
         source = os.path.realpath(source)
     d_id, m_id = bytes(drafter.drafter_identity), bytes(drafter.markov_identity)
+    has_confidence = bool(getattr(drafter, "has_confidence", True))
+    caps = base_info.capabilities & ~CAP_NO_CONFIDENCE | (0 if has_confidence
+                                                         else CAP_NO_CONFIDENCE)
     return Version(number=number, name=version_name(source, d_id, m_id), drafter=drafter,
                    pool=pool, info=replace(base_info, drafter_identity=d_id,
-                                           markov_identity=m_id),
+                                           markov_identity=m_id, capabilities=caps),
                    source=source, loaded_at=time.time(), weights_bytes=weights_bytes(drafter),
-                   drafter_identity=d_id, markov_identity=m_id,
-                   has_confidence=bool(getattr(drafter, "has_confidence", True)))
+                   drafter_identity=d_id, markov_identity=m_id, has_confidence=has_confidence)
 
 
 class Versions:
