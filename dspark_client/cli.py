@@ -6,6 +6,8 @@
     stats [--json]       STATS: a short summary, or the worker's JSON
     reset [SLOT ...]     check the worker's RESET on a session of our own (RESET only ever
                          acts on the sender's session: no engine's windows are touched)
+    reload [--no-wait]   RELOAD (signed with --auth-secret-file): the worker reads its drafter
+                         and canary folders again; waits for the outcome and prints it
     bench [...]          drive the worker with synthetic rows, print RTT percentiles and rates
     demo [...]           speculative decoding with the reference pair (needs torch)
 
@@ -49,6 +51,7 @@ import msgspec
 import numpy as np
 
 from protocol import wire
+from protocol.auth import reload_body
 from protocol.messages import pack_reset
 
 from . import __version__
@@ -448,11 +451,12 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
         f" {geo.get('row_bytes', '?')} ({geo.get('n_taps', '?')} taps x"
         f" {geo.get('hidden', '?')}), vocab {geo.get('vocab_size', '?')}, {modes};"
         f" {st.get('device', '?')} {st.get('dtype', '?')}",
-        f"  drafter {str(st.get('drafter_identity', '?'))[:16]}..  markov"
-        f" {str(st.get('markov_identity', '?'))[:16]}.."
+        f"  drafter {st.get('drafter_name', '?')}: {str(st.get('drafter_identity', '?'))[:16]}.."
+        f"  markov {str(st.get('markov_identity', '?'))[:16]}.."
         + ("; no confidence head (confidences predict nothing)"
            if st.get("confidence_head") is False or caps & wire.CAP_NO_CONFIDENCE else ""),
     ]
+    lines.extend(_version_lines(st))
     reserved = sum(int(s.get("max_slots", 0)) for s in sessions)
     lines.append(f"  sessions {len(sessions)}/{limits.get('max_sessions', '?')}, slots reserved"
                  f" {reserved}/{limits.get('max_total_slots', '?')}, connections"
@@ -464,6 +468,8 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
                      f" ({s.get('slots_in_use', '?')} in use), {s.get('sample_mode', '?')},"
                      f" idle {_duration(idle)}"
                      + (f", accepted length {mean:.2f}" if isinstance(mean, int | float) else "")
+                     + (f", version {s['version']}" if len(st.get("versions") or []) > 1
+                        and s.get("version") is not None else "")
                      + (", synthetic (not in acceptance)" if s.get("synthetic") else "")
                      + ("" if s.get("connected", True) else ", disconnected"))
     if len(sessions) > 8:
@@ -488,6 +494,44 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
     return "\n".join(lines)
 
 
+def _row(values: Any) -> str:
+    """Figures by block position, 2 decimals, "-" where nothing was drafted."""
+    return " ".join("-" if v is None else f"{v:.2f}" for v in values or [])
+
+
+def _accepted_length(acc: Any) -> str:
+    mean = acc.get("mean_accepted_length") if isinstance(acc, dict) else None
+    return f"accepted length {mean:.2f}" if isinstance(mean, int | float) else "nothing judged"
+
+
+def _version_lines(st: dict[str, Any]) -> list[str]:
+    """The drafter versions by name, the canary beside what serves, the last reload."""
+    lines = []
+    versions = [v for v in st.get("versions") or [] if isinstance(v, dict)]
+    if len(versions) > 1 or any(v.get("role") != "newest" for v in versions):
+        lines.append("  versions: " + "; ".join(
+            f"{v.get('version')} {v.get('name')} {v.get('role')}"
+            + (f", {v.get('sessions', 0)} sessions" if v.get("role") != "unloaded" else "")
+            + f", {_accepted_length(v.get('acceptance'))}" for v in versions))
+    canary = st.get("canary")
+    if isinstance(canary, dict):
+        acc, base = canary.get("acceptance") or {}, canary.get("serving_acceptance") or {}
+        lines.append(f"  canary {canary.get('version')} {canary.get('name')} on"
+                     f" {float(canary.get('fraction') or 0):.0%} of the slots:"
+                     f" {acc.get('rounds', 0)} judged blocks, {_accepted_length(acc)} against"
+                     f" {_accepted_length(base).removeprefix('accepted length ')} for the"
+                     " serving versions on the same blocks"
+                     + (f"; {canary['shed_entries']} entries shed under load"
+                        if canary.get("shed_entries") else ""))
+        lines.append(f"    by position canary {_row(acc.get('acceptance_by_position'))};"
+                     f" serving {_row(base.get('acceptance_by_position'))}")
+    last = (st.get("reloads") or {}).get("last")
+    if isinstance(last, dict):
+        lines.append(f"  last reload ({last.get('what')}): {last.get('result')}:"
+                     f" {last.get('why')}")
+    return lines
+
+
 def _acceptance_lines(acc: Any, synthetic: int = 0) -> list[str]:
     """The worker's acceptance totals (STATS ``totals.acceptance``) in two lines, saying when
     synthetic sessions (benchmarks) are left out of them."""
@@ -496,16 +540,12 @@ def _acceptance_lines(acc: Any, synthetic: int = 0) -> list[str]:
     if not isinstance(acc, dict) or not acc.get("rounds"):
         return ([f"  acceptance: no judged draft blocks yet{left_out}"]
                 if isinstance(acc, dict) else [])
-
-    def row(values: Any) -> str:
-        return " ".join("-" if v is None else f"{v:.2f}" for v in values or [])
-
     predicted = acc.get("predicted_acceptance_by_position")
-    said = (f"predicted {row(predicted)}" if predicted is not None else
+    said = (f"predicted {_row(predicted)}" if predicted is not None else
             "nothing predicted (the drafter has no confidence head)")
     return [f"  acceptance: {acc['rounds']} judged blocks, mean accepted length"
             f" {acc.get('mean_accepted_length', 0):.2f} (bonus token incl.){left_out}",
-            f"    by position {row(acc.get('acceptance_by_position'))}; {said}"]
+            f"    by position {_row(acc.get('acceptance_by_position'))}; {said}"]
 
 
 def cmd_stats(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
@@ -529,6 +569,41 @@ def _stats(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
     else:
         print(stats_summary(st, ctx.endpoint), file=out)
     return EXIT_OK
+
+
+def cmd_reload(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
+    """RELOAD (contract section 10), then STATS until the reload it started is done."""
+    if ctx.secret is None:
+        raise CliError("reload needs --auth-secret-file: RELOAD is signed with the worker's"
+                       " HELLO secret (without one, send the worker SIGHUP)", EXIT_USAGE)
+    with ctx.connect() as conn:
+        h, body = ctx.request(conn, wire.OP_RELOAD,
+                              reload_body(ctx.secret, int(time.time() * 1000)))
+    if h.status != wire.ST_OK:
+        raise _worker_error(f"RELOAD refused: {_status_name(h.status)}")
+    number = int(json.loads(body)["reload"])
+    print(f"reload {number} asked of {ctx.endpoint}", file=out, flush=True)
+    if args.no_wait:
+        return EXIT_OK
+    deadline = time.monotonic() + args.wait
+    while True:
+        ctx.interrupt.check()
+        reloads = worker_stats(ctx).get("reloads") or {}
+        done = [o for o in reloads.get("recent") or [] if int(o.get("number", 0)) >= number]
+        if done and not reloads.get("running"):
+            break
+        if time.monotonic() > deadline:
+            raise _worker_error(f"reload {number} still running after {args.wait:g} s (see"
+                                " dspark-client stats)")
+        time.sleep(0.2)
+    last = max(int(o["number"]) for o in done)
+    failed = False
+    for o in done:
+        if int(o["number"]) == last:
+            print(f"  {o['what']}: {o['result']} in {o.get('seconds', 0):.2f} s: {o['why']}",
+                  file=out)
+            failed |= o["result"] == "failed"
+    return EXIT_WORKER if failed else EXIT_OK
 
 
 def cmd_reset(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
@@ -792,8 +867,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace, out: TextIO) -> int:
                     interrupt=ctx.interrupt.check)
 
 
-COMMANDS = {"ping": cmd_ping, "stats": cmd_stats, "reset": cmd_reset, "bench": cmd_bench,
-            "demo": cmd_demo}
+COMMANDS = {"ping": cmd_ping, "stats": cmd_stats, "reset": cmd_reset, "reload": cmd_reload,
+            "bench": cmd_bench, "demo": cmd_demo}
 
 
 # -- entry ---------------------------------------------------------------------------------------
@@ -895,6 +970,13 @@ def build_parser() -> argparse.ArgumentParser:
     stats = command("stats", "print a summary of the worker's STATS")
     stats.add_argument("--json", action="store_true",
                        help="print the whole STATS JSON instead (default: the summary)")
+    reload = command("reload", "ask the worker to read its drafter (and canary) folders again"
+                               " (signed with --auth-secret-file); exits 1 when that failed")
+    reload.add_argument("--no-wait", action="store_true",
+                        help="return once the worker took the request (default: wait for"
+                             " the outcome and print it)")
+    reload.add_argument("--wait", type=_positive_float, default=600.0, metavar="SECONDS",
+                        help="longest wait for the outcome (default: 600)")
     reset = command("reset", "check the worker's RESET: HELLO a session of our own, RESET"
                              " those slots (all when none), GOODBYE. RESET only ever acts on"
                              " the session that sends it, so no engine's windows are touched:"

@@ -58,12 +58,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from protocol import wire
 from protocol.auth import sign_hello
-from protocol.constants import CAP_SHM_ROWS, STEP_HEADER_SIZE
+from protocol.constants import CAP_SHM_ROWS, IDENTITY_BYTES, STEP_HEADER_SIZE
 from protocol.messages import ENTRY_DTYPE, SampleMeta, reply_layout
 from protocol.sampled import ReplyCheck, Scratch
 from protocol.shm import ROWS_ALIGN, set_rows_at
@@ -253,6 +254,15 @@ class RemoteDraftClient:
             raise ValueError(f"session {session} outside 1..2**32-1")
         self.cfg = cfg
         self.hello = hello.without_auth()
+        if cfg.follow_drafter:  # 6.5: no identities, the worker's newest drafter
+            self.hello = msgspec.structs.replace(
+                self.hello, flags=self.hello.flags | wire.HF_FOLLOW,
+                drafter_identity=bytes(IDENTITY_BYTES),
+                markov_identity=bytes(IDENTITY_BYTES))
+        # A reply said the worker serves a newer drafter (RPF_NEWER_DRAFTER): the connect
+        # thread moves the session to it; not before _follow_hold_until after a refusal.
+        self._follow_wanted = False
+        self._follow_hold_until = 0.0
         self.stats = stats if stats is not None else Stats()
         self.acceptance = ClientAcceptance(hello.max_slots, hello.num_spec)
         self._factory: Callable[..., RpcClient] = transport_factory or functools.partial(
@@ -603,13 +613,8 @@ class RemoteDraftClient:
         self._session_endpoint = endpoint
         self._placement.connected(endpoint)
         self._shared.ready_event.set()
-        self.worker_info = rep
-        self.acceptance.set_has_confidence(not rep.capabilities & wire.CAP_NO_CONFIDENCE)
+        self._worker_accepted(rep, endpoint)
         self.stats.inc_many({"hellos": 1, "reconnects": int(epoch > 1)})
-        self.stats.set("worker", {"name": rep.worker_name, "endpoint": endpoint,
-                                  "max_slots": rep.max_slots,
-                                  "max_rows_per_step": rep.max_rows_per_step,
-                                  "capabilities": rep.capabilities, "resumed": rep.resumed})
         failed, self._fail_run = self._fail_run, 0
         log.info("remote DSpark worker %r ready at %s (session %#010x, epoch %d)%s%s",
                  rep.worker_name, endpoint, session, epoch,
@@ -652,6 +657,22 @@ class RemoteDraftClient:
             self._disable("HELLO reply does not match this engine: " + "; ".join(problems))
             return None
         return rep
+
+    def _worker_accepted(self, rep: wire.HelloReply, endpoint: str) -> None:
+        """An accepted HELLO's reply: what the worker is and which drafter serves us."""
+        self.worker_info = rep
+        self.acceptance.set_has_confidence(not rep.capabilities & wire.CAP_NO_CONFIDENCE)
+        self.stats.set("worker", {"name": rep.worker_name, "endpoint": endpoint,
+                                  "max_slots": rep.max_slots,
+                                  "max_rows_per_step": rep.max_rows_per_step,
+                                  "capabilities": rep.capabilities, "resumed": rep.resumed,
+                                  "drafter_identity": rep.drafter_identity.hex(),
+                                  "markov_identity": rep.markov_identity.hex()})
+
+    @property
+    def follows(self) -> bool:
+        """The session asks for whatever drafter the worker serves (HF_FOLLOW, 6.5)."""
+        return bool(self.hello.flags & wire.HF_FOLLOW)
 
     def _limits_hint(self) -> str:
         """What ST_LIMITS may be about beyond the HelloReply's fields: the frame limit."""
@@ -733,10 +754,12 @@ class RemoteDraftClient:
         problems = []
         if rep.version != ours.version:
             problems.append(f"version {rep.version} != {ours.version}")
-        if rep.drafter_identity != ours.drafter_identity:
+        if self.follows:  # any drafter of this geometry: the reply says which (6.5)
+            pass
+        elif rep.drafter_identity != ours.drafter_identity:
             problems.append(f"drafter identity {rep.drafter_identity.hex()[:16]}.. !="
                             f" ours {ours.drafter_identity.hex()[:16]}..")
-        if rep.markov_identity != ours.markov_identity:
+        if not self.follows and rep.markov_identity != ours.markov_identity:
             problems.append(f"markov identity {rep.markov_identity.hex()[:16]}.. !="
                             f" ours {ours.markov_identity.hex()[:16]}..")
         for field in ("window", "num_spec", "row_bytes", "vocab_size", "n_taps", "hidden"):
@@ -905,16 +928,67 @@ class RemoteDraftClient:
             self._io_lock.release()
         self._placement.connected(target)
         self._shared.ready_event.set()
-        self.worker_info = rep
-        self.acceptance.set_has_confidence(not rep.capabilities & wire.CAP_NO_CONFIDENCE)
+        self._worker_accepted(rep, target)
         self.stats.inc_many({"hellos": 1, "moves": 1})
-        self.stats.set("worker", {"name": rep.worker_name, "endpoint": target,
-                                  "max_slots": rep.max_slots,
-                                  "max_rows_per_step": rep.max_rows_per_step,
-                                  "capabilities": rep.capabilities, "resumed": rep.resumed})
         log.info("remote DSpark: moved from %s to %s, worker %r (session %#010x, epoch %d)",
                  old, target, rep.worker_name, session, epoch)
         return True
+
+    def _follow_drafter(self) -> None:
+        """Move to the drafter the worker now serves new HELLOs with (6.5): on the same
+        connection, between two STEPs, HELLO a new session (the worker drops the old one of
+        the same client name first, so its slots are free for the new one) and swap. A new
+        epoch: every live slot resyncs once. A refusal leaves the old session serving; the
+        next try comes after the quiet period."""
+        self._follow_wanted = False
+        timeout = self.cfg.connect_timeout_ms / 1000.0
+        if not self._io_lock.acquire(timeout=timeout):
+            self._follow_wanted = True
+            return
+        try:
+            with self._lock:
+                conn = self._shared.conn if self._ready else None
+                old, new = self.session, self._fresh_session_locked()
+            if conn is None:
+                return
+            endpoint = self._endpoint
+            try:
+                if not self.hello.client_name:  # nothing replaces the old one: release it
+                    self._goodbye_on(conn, old, timeout)
+                rep = self._hello_on(conn, new, timeout)
+                if rep is None:  # refused fatally: the client is disabled
+                    return
+                shm_ok = self._attach_shm(conn, endpoint, rep, new, timeout)
+            except _WorkerDraining:
+                self._worker_draining(endpoint, "HELLO")
+                self.mark_failed(f"{endpoint} is draining", backoff=False)
+                return
+            except wire.WireError as e:  # refused (BUSY ...): nothing changed on the worker
+                self._follow_hold_until = time.monotonic() + self.cfg.return_after_ms / 1000
+                self.stats.inc("drafter_follow_failures")
+                log.warning("remote DSpark: staying on the drafter of session %#010x: %s", old,
+                            e)
+                if not self.hello.client_name:  # the old one was released: HELLO again
+                    self.mark_failed(f"drafter follow: {e}")
+                return
+            except (TransportError, OSError) as e:
+                self.mark_failed(f"drafter follow: {e}")
+                return
+            with self._lock:
+                if self._shared.stop or self.disabled or self._shared.conn is not conn:
+                    return
+                self.session = new
+                self._shm_conn = conn if shm_ok else None
+                self.epoch += 1
+                epoch = self.epoch
+                self.stats.set("epoch", epoch)
+        finally:
+            self._io_lock.release()
+        self._worker_accepted(rep, endpoint)
+        self.stats.inc_many({"hellos": 1, "drafter_follows": 1})
+        log.info("remote DSpark: worker %r serves another drafter (%s..); session %#010x (was"
+                 " %#010x) follows it, epoch %d: every slot resyncs once", rep.worker_name,
+                 rep.drafter_identity.hex()[:16], new, old, epoch)
 
     def _background_tick(self) -> float | None:
         """One pass of the connect thread: seconds to sleep (inf: until woken), or None to
@@ -922,6 +996,8 @@ class RemoteDraftClient:
         if self.disabled or self._shared.stop:
             return None
         if self._ready:
+            if self._follow_wanted:
+                self._follow_drafter()
             return self._while_connected()
         delay = self._next_attempt - time.monotonic()
         if delay > 0:
@@ -1055,6 +1131,10 @@ class RemoteDraftClient:
                 counts["steps_shm"] = 1
             if out.ok and out.reply is not None:
                 self.acceptance.reply_in(out.drafted, out.reply.confidence)
+                if out.reply.flags & wire.RPF_NEWER_DRAFTER and not self._follow_wanted \
+                        and time.monotonic() >= self._follow_hold_until:
+                    self._follow_wanted = True  # the connect thread follows it
+                    self._shared.wake.set()
                 if self._failing_replies:
                     self._failing_replies = 0
                     with self._lock:

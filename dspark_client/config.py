@@ -60,6 +60,12 @@ class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         many engines do not reconnect to a restarted worker in lockstep.
     auth_secret / auth_secret_file: the shared secret of section 11 (at most one of them).
     max_reply_bytes: largest reply body accepted from the worker.
+    follow_drafter: draft with whatever drafter the worker serves now (contract 6.5) instead of
+        the one the HELLO's identities name: the HELLO carries ``HF_FOLLOW`` and no identities,
+        the reply's say which drafter serves (``worker_info``). When the worker loads a new
+        version (a reload), the client moves its session to it between two rounds: every live
+        slot resyncs once. Off: the session keeps the drafter it names, and a worker that no
+        longer serves it refuses the HELLO ``ST_IDENTITY``.
     """
 
     endpoint: str = DEFAULT_ENDPOINT
@@ -75,6 +81,7 @@ class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     auth_secret: bytes | None = None
     auth_secret_file: str | None = None
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    follow_drafter: bool = False
 
     def __post_init__(self) -> None:
         for i, ep in enumerate((self.endpoint, *self.endpoints)):

@@ -3,8 +3,9 @@
 
 Fed once per answered STEP (``Dispatcher.complete``), in the session's order; a session's
 chains go when the session does. Totals over every session are exported as Prometheus families
-read at scrape time (``dspark_worker_acceptance_*``, label ``position`` 0..N-1, bounded), and
-per session in STATS (client names are unbounded: no labels for them). A synthetic session
+read at scrape time (``dspark_worker_acceptance_*``, labels ``version`` and ``name`` of the
+drafter version that drafted, bounded by ``versions.VERSIONS_KEPT``, and ``position`` 0..N-1),
+and per session in STATS (client names are unbounded: no labels for them). A synthetic session
 (``HF_SYNTHETIC``: a benchmark's made-up rows) is judged for its own STATS entry only, never
 added to the worker's totals.
 
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -33,8 +34,9 @@ from protocol.acceptance import Acceptance, AcceptanceTotals
 from .metrics import PREFIX
 from .runner import StepItem
 from .sessions import Session
+from .versions import VERSIONS_KEPT, Version
 
-__all__ = ["WorkerAcceptance"]
+__all__ = ["WorkerAcceptance", "acceptance_families"]
 
 # A session's recent figures are its totals less a snapshot of them taken at least RECENT_S
 # ago (one snapshot a minute is kept): ten minutes react to a drop well inside the alert's
@@ -84,6 +86,8 @@ class WorkerAcceptance:
         # False: the drafter has no confidence head; nothing predicted is kept or shown.
         self.has_confidence = has_confidence
         self._totals = AcceptanceTotals(num_spec, has_confidence)
+        # version number -> (its name, its totals): the last VERSIONS_KEPT versions
+        self._by_version: OrderedDict[int, tuple[str, AcceptanceTotals]] = OrderedDict()
         self._by_session: dict[Session, _Chains] = {}
         # The loop thread writes; a scrape (the metrics server's thread) reads.
         self._lock = threading.Lock()
@@ -98,9 +102,13 @@ class WorkerAcceptance:
         now = self.clock()
         chains = self._by_session.get(s)
         if chains is None:
-            also = () if s.synthetic else (self._totals,)
+            v = s.version
+            also: tuple[AcceptanceTotals, ...] = ()
+            if not s.synthetic:
+                also = (self._totals,) if v is None else (self._totals, self.version_added(v))
+            has_confidence = self.has_confidence if v is None else v.has_confidence
             chains = self._by_session[s] = _Chains(
-                Acceptance(s.max_slots, self.num_spec, also, self.has_confidence), now)
+                Acceptance(s.max_slots, self.num_spec, also, has_confidence), now)
         plan, reply, idx = item.plan, item.reply, item.drafting
         drafted = confidence = None
         if idx.size and reply is not None:
@@ -116,6 +124,25 @@ class WorkerAcceptance:
         with self._lock:
             chains.acc.observe(item.view.entries, drafted, confidence)
             chains.snapshot(now)
+
+    def version_added(self, version: Version) -> AcceptanceTotals:
+        """The totals of ``version`` (made at zero the first time, so that its series exist
+        from its load on)."""
+        entry = self._by_version.get(version.number)
+        if entry is None:
+            with self._lock:
+                entry = self._by_version[version.number] = (
+                    version.name, AcceptanceTotals(self.num_spec, version.has_confidence))
+                while len(self._by_version) > VERSIONS_KEPT:
+                    self._by_version.popitem(last=False)
+        return entry[1]
+
+    def by_version(self) -> dict[int, tuple[str, AcceptanceTotals]]:
+        """Copies of every kept version's totals, complete."""
+        with self._lock:
+            for chains in self._by_session.values():
+                chains.acc.flush()
+            return {n: (name, t.copy()) for n, (name, t) in self._by_version.items()}
 
     def forget(self, session: Session) -> None:
         with self._lock:
@@ -148,8 +175,38 @@ class WorkerAcceptance:
             return chains.acc.totals.summary()
 
 
+def acceptance_families(prefix: str, what: str, labels: list[str],
+                        rows: Iterable[tuple[list[str], AcceptanceTotals]]
+                        ) -> Iterator[Metric]:
+    """``{prefix}_rounds``, ``_drafted``, ``_accepted`` and ``_predicted`` (by ``position``)
+    for each row's totals, under its label values; ``what`` names whose drafts they judge. A
+    drafter without a confidence head predicts nothing: its rows have no ``_predicted``."""
+    rows = list(rows)
+    rounds = CounterMetricFamily(f"{prefix}_rounds", f"Draft blocks of {what} whose outcome"
+                                 " the slot's next STEPs showed (judged blocks).", labels=labels)
+    for values, t in rows:
+        rounds.add_metric(values, t.rounds)
+    yield rounds
+    for name, text in (
+            ("drafted", "Judged blocks with a draft at this block position."),
+            ("accepted", "Drafts the target accepted at this block position (the drafts"
+             " before it were accepted too)."),
+            ("predicted", "The confidence head's probability that the draft at this position"
+             " is accepted (prefix survival), summed over judged blocks.")):
+        shown = [(v, t) for v, t in rows if name != "predicted" or t.has_confidence]
+        if name == "predicted" and not shown:
+            continue
+        fam = CounterMetricFamily(f"{prefix}_{name}", f"{text} Drafts of {what}.",
+                                  labels=[*labels, "position"])
+        for values, t in shown:
+            for j, v in enumerate(getattr(t, name).tolist()):
+                fam.add_metric([*values, str(j)], v)
+        yield fam
+
+
 class _AcceptanceFamilies(Collector):
-    """The worker's acceptance totals as counters, read at scrape time."""
+    """The worker's acceptance totals by drafter version as counters, and the session
+    quantiles, read at scrape time."""
 
     def __init__(self, owner: WorkerAcceptance) -> None:
         self.owner = owner
@@ -158,22 +215,9 @@ class _AcceptanceFamilies(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        t, p = self.owner.totals(), f"{PREFIX}_acceptance"
-        yield CounterMetricFamily(f"{p}_rounds", "Draft blocks whose outcome the slot's next"
-                                  " STEP showed (judged blocks).", value=t.rounds)
-        families: list[tuple[str, str, Any]] = [
-            ("drafted", "Judged blocks with a draft at this block position.", t.drafted),
-            ("accepted", "Drafts the target accepted at this block position (the drafts"
-             " before it were accepted too).", t.accepted)]
-        if t.has_confidence:  # a drafter without a confidence head predicts nothing
-            families.append(("predicted", "The confidence head's probability that the draft at"
-                             " this position is accepted (prefix survival), summed over judged"
-                             " blocks.", t.predicted))
-        for name, text, values in families:
-            fam = CounterMetricFamily(f"{p}_{name}", text, labels=["position"])
-            for j, v in enumerate(values.tolist()):
-                fam.add_metric([str(j)], v)
-            yield fam
+        p = f"{PREFIX}_acceptance"
+        rows = [([str(n), name], t) for n, (name, t) in self.owner.by_version().items()]
+        yield from acceptance_families(p, "each drafter version", ["version", "name"], rows)
         means = self.owner.session_means()
         yield GaugeMetricFamily(f"{p}_sessions_judged", "Sessions (not synthetic) with at"
                                 f" least {MIN_RECENT_BLOCKS} draft blocks judged in the last"

@@ -7,6 +7,8 @@ shutdown of SIGTERM/SIGINT: first a drain of up to ``drain_s`` in which HELLO an
 ``ST_DRAINING`` (engines move to another worker without a timeout, contract section 5) while
 every STEP already accepted finishes; it ends once no connection is left. Then stop accepting
 and reading, let every STEP still queued finish and be answered, close the connections, exit 0.
+SIGHUP reloads --checkpoint (and --canary-checkpoint) beside what serves
+(``versions.Reloader``, docs/operations.md "Ship a new drafter").
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -33,6 +36,7 @@ from protocol.constants import CAP_MARGIN, CAP_NO_CONFIDENCE, CAP_TAPS_BF16, CAP
 
 from . import __version__
 from .buffers import BufferPool, pinned_factory
+from .canary import Canary, CanaryFamilies, canary_lanes
 from .config import (
     WorkerConfig,
     config_warnings,
@@ -41,11 +45,24 @@ from .config import (
     parse_host_port,
 )
 from .dispatch import Dispatcher, WorkerInfo, rss_bytes
-from .metrics import Metrics
+from .metrics import Metrics, VersionFamilies
 from .runner import Runner, new_device_thread
 from .server import MetricsServer, WorkerServer, bind_tcp, bind_unix, unlink_own_socket
 from .sessions import SessionTable
 from .shm import ShmOps, cuda_host_register
+from .versions import (
+    Reloader,
+    ReloadFailed,
+    ReloadOutcome,
+    Version,
+    Versions,
+    failure_words,
+    geometry_problem,
+    loader_thread,
+    make_version,
+    version_name,
+    weights_bytes,
+)
 
 log = logging.getLogger("dspark_worker")
 
@@ -120,16 +137,47 @@ def set_threads(threads: int) -> int:
     return int(torch.get_num_threads())
 
 
-def load_drafter_for(config: WorkerConfig) -> Any:
-    """Load and return the drafter the config names (slow: run it off the event loop)."""
+def _device_dtype(config: WorkerConfig) -> tuple[str, Any]:
     import torch
 
+    return (resolve_device(config.device),
+            None if config.dtype == "auto" else getattr(torch, config.dtype))
+
+
+def load_drafter_for(config: WorkerConfig) -> Any:
+    """Load and return the drafter the config names (slow: run it off the event loop)."""
     from .drafter import load_drafter
 
-    device = resolve_device(config.device)
-    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    device, dtype = _device_dtype(config)
     return load_drafter(config.checkpoint, target_checkpoint=config.target_checkpoint,
                         device=device, dtype=dtype, draft_topk=config.dspark_draft_topk)
+
+
+def read_drafter_for(config: WorkerConfig, checkpoint: str | None) -> Any:
+    """A reload's first half (a loader thread): ``checkpoint`` (None: the embedded reference
+    drafter) read, checked and identified in host memory, nothing on the device yet."""
+    from .drafter import read_drafter
+    from .drafter.drafter import REFERENCE_DIR
+
+    if checkpoint is None:
+        return read_drafter(REFERENCE_DIR, record_identities=False,
+                            draft_topk=config.dspark_draft_topk, source="embedded")
+    return read_drafter(checkpoint, config.target_checkpoint,
+                        draft_topk=config.dspark_draft_topk)
+
+
+def build_drafter_for(config: WorkerConfig, read: Any) -> Any:
+    """A reload's second half (a loader thread): the model built on the worker's device."""
+    return read.build(*_device_dtype(config))
+
+
+def release_device_memory(device: Any) -> None:
+    """Give the caching allocator's free blocks back to the device (after a version went or
+    a reload failed), so that what the device reports is what the worker holds."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def self_check(d: Any) -> str | None:
@@ -168,6 +216,9 @@ class WorkerApp:
         self.drafter = drafter
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
+        self.versions: Versions | None = None
+        self.reloader: Reloader | None = None
+        self._loader: Any = None  # the reload's thread, made at the first reload
         self.ready = False
         self.draining = False
         self.metrics_server: MetricsServer | None = None
@@ -290,10 +341,13 @@ class WorkerApp:
             bytes_per_slot=int(self.pool.bytes_per_lane), device=device, dtype=dtype,
             version=__version__, limits=self._limits(d.row_bytes))
         self.metrics.confidence_head.set(1 if has_confidence else 0)
-        self.metrics.info.labels(version=__version__, worker_name=info.worker_name,
-                                 device=device, dtype=dtype,
-                                 drafter_identity=info.drafter_identity.hex(),
-                                 markov_identity=info.markov_identity.hex()).set(1)
+        self.versions = Versions(make_version(1, d, self.pool, info), c.max_versions)
+        self.versions.on_unload = self._version_unloaded
+        first = self.versions.newest
+        self._set_info_metric(first)
+        self.registry.register(VersionFamilies(self._version_rows))
+        log.info("version 1 %s serves: %s, %.1f MiB of weights", first.name, first.source,
+                 first.weights_bytes / 2**20)
         table = SessionTable(max_sessions=c.max_sessions, lane_capacity=c.max_total_slots,
                              idle_s=c.session_idle_s, unused_idle_s=c.handshake_timeout_s,
                              max_per_peer=c.sessions_per_peer)
@@ -309,8 +363,21 @@ class WorkerApp:
         self.dispatcher = Dispatcher(info, table, self.runner, self.metrics, secret=secret,
                                      shed_queue_steps=c.shed_queue_steps,
                                      max_frame_bytes=frame_limit(c, d.row_bytes),
-                                     stats_extra=self._stats_extra, shm=shm)
+                                     stats_extra=self._stats_extra, shm=shm,
+                                     versions=self.versions)
         holder["d"] = self.dispatcher
+        steps = {"drafter": self._reload_drafter}
+        if c.canary_checkpoint:
+            steps["canary"] = self._load_canary
+            try:
+                await self._load_canary()
+            except Exception as exc:
+                raise StartupError(f"cannot load the canary ({c.canary_checkpoint}):"
+                                   f" {failure_words(exc)}") from exc
+        self.runner.shadow = lambda: self.dispatcher.canary if self.dispatcher else None
+        self.dispatcher.reload_hook = self.request_reload
+        self.registry.register(CanaryFamilies(lambda: self.canary))
+        self.reloader = Reloader(steps, self._reloaded)
         self.dispatcher.outputs_broken = broken
         self.runner.start(on_death=self._runner_died)
         factory = pinned_factory() if device.startswith("cuda") else bytearray
@@ -353,6 +420,202 @@ class WorkerApp:
                  " max_sessions %d, frame limit %d bytes%s", info.worker_name, c.window,
                  d.num_spec, c.max_slots, c.max_rows_per_step, c.max_sessions,
                  frame_limit(c, d.row_bytes), ", HELLO authentication on" if secret else "")
+
+    # -- versions and reload --------------------------------------------------------------------
+    def _set_info_metric(self, newest: Version) -> None:
+        """``dspark_worker_info`` names the newest version's identities, and
+        ``dspark_worker_confidence_head`` says whether it has a confidence head."""
+        d = newest.drafter
+        self.metrics.confidence_head.set(1 if newest.has_confidence else 0)
+        self.metrics.info.clear()
+        self.metrics.info.labels(version=__version__, worker_name=newest.info.worker_name,
+                                 device=str(d.device), dtype=_dtype_name(d.dtype),
+                                 drafter_identity=newest.drafter_identity.hex(),
+                                 markov_identity=newest.markov_identity.hex()).set(1)
+
+    @property
+    def canary(self) -> Canary | None:
+        return self.dispatcher.canary if self.dispatcher is not None else None
+
+    def _version_rows(self) -> list[tuple[str, str, str, str, str, int, int]]:
+        """For ``VersionFamilies`` (the scrape's thread: copies, under the GIL)."""
+        versions = self.versions
+        if versions is None:
+            return []
+        newest = versions.newest
+        rows = [(v.label, v.name, "newest" if v is newest else "older",
+                 v.drafter_identity.hex(), v.markov_identity.hex(), v.sessions,
+                 v.weights_bytes) for v in versions]
+        c = self.canary
+        if c is not None:
+            rows.append((str(c.number), c.name, "canary", c.drafter_identity.hex(),
+                         c.markov_identity.hex(), 0, weights_bytes(c.drafter)))
+        return rows
+
+    async def _load_canary(self) -> tuple[str, str, int | None]:
+        """Load --canary-checkpoint (at start, and on each reload when it changed): (result,
+        why, its version number)."""
+        c, versions, disp = self.config, self.versions, self.dispatcher
+        assert versions is not None and disp is not None and c.canary_checkpoint
+        loop = asyncio.get_running_loop()
+        loader = self._loader_thread()
+        read = await loop.run_in_executor(loader, read_drafter_for, c, c.canary_checkpoint)
+        old = disp.canary
+        if old is not None and (old.drafter_identity, old.markov_identity) == (
+                read.drafter_identity, read.markov_identity):
+            return ("unchanged", f"{c.canary_checkpoint} holds canary {old.number} {old.name},"
+                    " which runs already", old.number)
+        problem = geometry_problem(read.loaded.config, disp.info)
+        if problem is not None:
+            raise ReloadFailed(f"the canary has {problem}")
+        d = await loop.run_in_executor(loader, build_drafter_for, c, read)
+        del read
+        if c.warmup:
+            await loop.run_in_executor(loader, d.warmup)
+        broken = await loop.run_in_executor(loader, self_check, d)
+        if broken is not None:
+            raise ReloadFailed(f"the canary's self-check failed: {broken}")
+        number = versions.next_number()
+        name = version_name(str(d.source), bytes(d.drafter_identity), bytes(d.markov_identity))
+        lanes = canary_lanes(c.canary_fraction, c.max_total_slots)
+        canary = await loop.run_in_executor(loader, functools.partial(
+            Canary, d, fraction=c.canary_fraction, capacity_lanes=lanes, window=c.window,
+            number=number, name=name, source=os.path.realpath(str(d.source)),
+            num_spec=d.num_spec))
+        disp.canary = canary  # the old one's backlog and rings go with it
+        disp.state_version += 1
+        newest = versions.newest
+        same = (newest.drafter_identity, newest.markov_identity) == (
+            canary.drafter_identity, canary.markov_identity)
+        return ("ok", f"canary {number} {name} drafts in the shadow of {c.canary_fraction:.0%}"
+                f" of each session's slots ({lanes} ring lanes, {canary.pool.nbytes / 2**20:.1f}"
+                " MiB)" + ("; it is the drafter version that serves new HELLOs, so it shadows"
+                           " only sessions of other versions" if same else ""), number)
+
+
+    def _version_unloaded(self, version: Version) -> None:
+        """Nothing may hold the version's model once its last lanes are freed: what the app
+        and the runner keep of the drafter now is the newest's."""
+        assert self.versions is not None
+        newest = self.versions.newest
+        self.drafter, self.pool = newest.drafter, newest.pool
+        if self.runner is not None:
+            self.runner.drafter, self.runner.pool = newest.drafter, newest.pool
+            # in order with the STEPs: after the lane frees of its sessions
+            self.runner.submit_call(self._release_version, version)
+
+    @staticmethod
+    def _release_version(version: Version) -> None:
+        """The device thread, after the version's sessions' lanes were freed."""
+        device = version.drafter.device if version.drafter is not None else "cpu"
+        version.drafter = version.pool = None
+        release_device_memory(device)
+
+    def request_reload(self, trigger: str) -> int | None:
+        """Read --checkpoint (and --canary-checkpoint) again and load what changed beside what
+        serves; the reload's number (STATS ``reloads``), or None when the worker cannot now."""
+        if self.reloader is None or not self.ready or self.draining:
+            why = "draining" if self.draining else "still starting"
+            log.info("%s: reload not done: the worker is %s", trigger, why)
+            return None
+        log.info("%s: reloading %s", trigger, self.config.checkpoint or "the embedded drafter")
+        return self.reloader.request(trigger)
+
+    def _loader_thread(self) -> Any:
+        if self._loader is None:
+            self._loader = loader_thread(self.threads)
+        return self._loader
+
+    async def _reload_drafter(self) -> tuple[str, str, int | None]:
+        """One reload of --checkpoint: (result, why, version now newest)."""
+        c, versions, disp = self.config, self.versions, self.dispatcher
+        assert versions is not None and disp is not None
+        loop = asyncio.get_running_loop()
+        loader = self._loader_thread()
+        source = c.checkpoint or "the embedded drafter"
+        read = await loop.run_in_executor(loader, read_drafter_for, c, c.checkpoint)
+        same = versions.find(read.drafter_identity, read.markov_identity)
+        if same is not None and same is versions.newest:
+            return ("unchanged", f"{source} holds version {same.number} {same.name}, which"
+                    " serves already", same.number)
+        if same is not None:
+            disp.add_version(same)
+            self._set_info_metric(same)
+            return ("ok", f"{source} holds version {same.number} {same.name}, loaded still: it"
+                    " serves new HELLOs again", same.number)
+        room = versions.room()
+        if room is not None:
+            raise ReloadFailed(room)
+        problem = geometry_problem(read.loaded.config, disp.info)  # before any device memory
+        if problem is not None:
+            raise ReloadFailed(problem)
+        d = None
+        try:
+            d = await loop.run_in_executor(loader, build_drafter_for, c, read)
+            del read  # the host copy of the weights
+            try:
+                pool = versions.newest.pool.sibling(d.model)
+            except ValueError as exc:
+                raise ReloadFailed(f"{exc} (the versions share one ring memory; a restart"
+                                   " serves it)") from None
+            if c.warmup:
+                await loop.run_in_executor(loader, d.warmup)
+            broken = await loop.run_in_executor(loader, self_check, d)
+            if broken is not None:
+                raise ReloadFailed(f"its self-check failed: {broken}")
+            await self._prepare_version_graphs(loop, d, pool)
+        except BaseException:
+            d = None
+            await loop.run_in_executor(loader, release_device_memory, self.drafter.device)
+            raise
+        version = make_version(versions.next_number(), d, pool, disp.info)
+        disp.add_version(version)
+        self._set_info_metric(version)
+        return ("ok", f"version {version.number} {version.name} ({version.source},"
+                f" {version.weights_bytes / 2**20:.1f} MiB of weights) serves new HELLOs",
+                version.number)
+
+    async def _prepare_version_graphs(self, loop: asyncio.AbstractEventLoop, d: Any,
+                                      pool: Any) -> None:
+        """A reloaded version's captured draft step (--cuda-graphs), on the device thread
+        between batches; its self-check uses lanes no session holds, so live windows stay."""
+        prepare = getattr(d, "prepare_graphs", None)
+        if prepare is None or not str(d.device).startswith("cuda"):
+            return
+
+        def run() -> Any:
+            free = np.flatnonzero(~pool._in_use)
+            if not free.size:
+                return None
+            return prepare(pool, self.config.max_slots, self.config.cuda_graphs,
+                           lanes=free.astype(np.int64))
+
+        report = await loop.run_in_executor(self._device, run)
+        if report is None:
+            log.warning("cuda graphs: no free lane to check the captured step on; the new"
+                        " version drafts eagerly")
+        elif report.fallback is not None:
+            self.metrics.cuda_graph_fallbacks.inc()
+            log.warning("cuda graphs: the new version drafts eagerly, the captured step failed"
+                        " its check: %s", report.fallback)
+
+    def _reloaded(self, outcome: ReloadOutcome) -> None:
+        self.metrics.reloads.labels(what=outcome.what, result=outcome.result).inc()
+        if self.dispatcher is not None:
+            self.dispatcher.state_version += 1
+        if outcome.result == "failed":
+            newest, canary = (self.versions.newest if self.versions else None), self.canary
+            if outcome.what == "canary":
+                kept = (f"canary {canary.number} {canary.name} keeps running" if canary
+                        else "no canary runs")
+            else:
+                kept = (f"version {newest.number} {newest.name} keeps serving" if newest
+                        else "nothing changed")
+            log.error("reload of the %s failed (%.2f s): %s; %s", outcome.what,
+                      outcome.seconds, outcome.why, kept)
+        else:
+            log.info("reload of the %s %s in %.2f s: %s", outcome.what, outcome.result,
+                     outcome.seconds, outcome.why)
 
     async def _prepare_graphs(self, loop: asyncio.AbstractEventLoop, d: Any) -> None:
         """The draft step as captured graphs (--cuda-graphs), before any session holds a
@@ -457,6 +720,7 @@ class WorkerApp:
             device_bytes = int(torch.cuda.memory_allocated(d.device))
         return {
             "threads": self.threads,
+            "reloads": self.reloader.summary() if self.reloader is not None else None,
             "connections": len(self.server.connections) if self.server else 0,
             "memory": {
                 "window_bytes": int(self.pool.nbytes) if self.pool is not None else 0,
@@ -501,9 +765,9 @@ class WorkerApp:
         loop = asyncio.get_running_loop()
         if install_signals:
             # Signals whose default action kills the process at once, with no log line and no
-            # drain (a logrotate "kill -HUP" would): SIGHUP and SIGUSR1/2 are logged and
-            # otherwise ignored (the log goes to stderr: nothing to reopen; SIGUSR1/2 also
-            # write every thread's stack to stderr), SIGQUIT shuts down like SIGTERM.
+            # drain: SIGHUP reloads the drafter (the log goes to stderr: nothing to reopen),
+            # SIGUSR1/2 are logged and write every thread's stack to stderr, SIGQUIT shuts
+            # down like SIGTERM.
             for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
                 loop.add_signal_handler(sig, self._on_harmless_signal, sig)
             loop.add_signal_handler(signal.SIGQUIT, self._on_signal, signal.SIGQUIT)
@@ -524,7 +788,7 @@ class WorkerApp:
     def _on_harmless_signal(self, sig: int) -> None:
         name = signal.Signals(sig).name
         if sig == signal.SIGHUP:
-            log.info("SIGHUP: ignored (the log goes to stderr; nothing to reopen or reload)")
+            self.request_reload("SIGHUP")
             return
         log.info("%s: ignored; the stacks of every thread follow on stderr", name)
         import faulthandler
@@ -570,6 +834,8 @@ class WorkerApp:
         self._stopped = True
         self.draining = True
         code = 0
+        if self.reloader is not None:
+            self.reloader.cancel()
         if self.dispatcher is not None:
             self.dispatcher.draining = True
         self.metrics.ready.set(0)
@@ -595,6 +861,8 @@ class WorkerApp:
         if self.runner is not None:
             await self.runner.stop()
         self._device.shutdown(wait=False)  # the runner's, or idle if start failed before it
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
         if self.dispatcher is not None:
             log.info("stopped: %d sessions held at exit, %d STEPs served",
                      len(self.dispatcher.table), self.metrics.totals["steps"])

@@ -18,6 +18,7 @@ from typing import Any, Final
 from . import __version__
 from .config import (
     CUDA_GRAPHS,
+    DEFAULT_CANARY_FRACTION,
     DEFAULT_CONNECTION_IDLE_S,
     DEFAULT_DRAIN_S,
     DEFAULT_HANDSHAKE_TIMEOUT_S,
@@ -29,6 +30,7 @@ from .config import (
     DEFAULT_MAX_SHM_REGION_BYTES,
     DEFAULT_MAX_SLOTS,
     DEFAULT_MAX_TOTAL_SLOTS,
+    DEFAULT_MAX_VERSIONS,
     DEFAULT_METRICS_LISTEN,
     DEFAULT_PARTIAL_FRAME_TIMEOUT_S,
     DEFAULT_SESSION_IDLE_S,
@@ -50,12 +52,14 @@ log = logging.getLogger("dspark_worker")
 # (field, metavar, type, help). One row per WorkerConfig field; a test checks the two agree.
 OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
     ("checkpoint", "DIR", str,
-     "DeepSpec-layout drafter checkpoint folder (config.json + safetensors). Default: the"
-     " embedded reference drafter (a small byte-level pair shipped with dspark, for trying"
-     " the worker, the demo and the tests)."),
+     "DeepSpec-layout drafter checkpoint folder (config.json + safetensors). SIGHUP reads it"
+     " again and, when it holds another drafter, loads it beside the serving one as a new"
+     " version (docs/operations.md, \"Ship a new drafter\"). Default: the embedded reference"
+     " drafter (a small byte-level pair shipped with dspark, for trying the worker, the demo"
+     " and the tests)."),
     ("target_checkpoint", "DIR", str,
      "target model checkpoint to read embed_tokens / lm_head from when the drafter"
-     " checkpoint lacks them."),
+     " checkpoint lacks them (read again on SIGHUP too)."),
     ("device", "DEV", str,
      f"where the drafter runs: {', '.join(DEVICES)} or cuda:N. auto = cuda if available,"
      " else cpu. Default: auto."),
@@ -153,6 +157,19 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
      " eager step at start; any failure is logged once, counted in"
      " dspark_worker_cuda_graph_fallbacks_total, and the worker drafts eagerly. off: always"
      " eager. Default: auto."),
+    ("max_versions", "N", int,
+     f"drafter versions loaded at once: the newest and older ones that sessions pinned to"
+     f" them still use (each costs its weights; the ring memory is shared). A reload that"
+     f" would load one more fails. At least 2. Default: {DEFAULT_MAX_VERSIONS}."),
+    ("canary_checkpoint", "DIR", str,
+     "a candidate drafter (same geometry) that drafts in the shadow of the serving one for"
+     " --canary-fraction of the slots, after the replies are sent and only while the device"
+     " is idle; its acceptance is judged on the tokens the engines' next STEPs reveal and"
+     " shown beside the serving version's (STATS, metrics). SIGHUP reads it again. Default:"
+     " none."),
+    ("canary_fraction", "F", float,
+     f"share of each session's slots the canary drafts for, in (0, 1]. Default:"
+     f" {DEFAULT_CANARY_FRACTION:g}."),
     ("dspark_draft_topk", "K", int,
      "vLLM's candidate walk: the Markov bias is added to the K best base logits of each"
      " position only (other tokens count as -inf). It changes drafts, so it changes the"

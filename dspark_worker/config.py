@@ -67,6 +67,13 @@ DEFAULT_DRAIN_S: Final = 5.0
 # thread, 348 ms with two, and past 2 s with one more busy process: bench/README.md "CPU
 # threads"). On CUDA the device does the work and the host needs no thread pool.
 DEFAULT_THREADS: Final = 1
+# Drafter versions loaded at once (the newest and the older ones their sessions still hold):
+# each costs its weights, not ring memory (the versions share the rings). Three let a reload
+# come while the sessions of the last two are still pinned to theirs.
+DEFAULT_MAX_VERSIONS: Final = 3
+# The share of each session's slots the canary drafts in the shadow of: enough judged blocks
+# for a comparison within minutes of an engine's traffic, at a tenth of the drafting work.
+DEFAULT_CANARY_FRACTION: Final = 0.1
 # Frames received on one connection and not yet answered before the worker stops reading from
 # it: the contract allows one in flight, so more is a misbehaving client; bounds its memory.
 MAX_PENDING_FRAMES_PER_CONNECTION: Final = 4
@@ -151,6 +158,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     warmup: bool = True
     cuda_graphs: str = "auto"
     dspark_draft_topk: int | None = None  # None: the checkpoint config's; 0: off
+    max_versions: int = DEFAULT_MAX_VERSIONS
+    canary_checkpoint: str | None = None
+    canary_fraction: float = DEFAULT_CANARY_FRACTION
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -192,6 +202,14 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
                     "is not a non-negative integer (0: max_sessions)"))
     positive_int("max_total_slots")
     positive_int("max_connections")
+    if isinstance(c.max_versions, bool) or not isinstance(c.max_versions, int) \
+            or c.max_versions < 2:
+        out.append(("max_versions", c.max_versions, "is not an integer >= 2 (the version"
+                    " serving and the one a reload loads beside it)"))
+    if isinstance(c.canary_fraction, bool) or not (
+            isinstance(c.canary_fraction, int | float) and math.isfinite(c.canary_fraction)
+            and 0 < c.canary_fraction <= 1):
+        out.append(("canary_fraction", c.canary_fraction, "is not a fraction in (0, 1]"))
     positive_int("shed_queue_steps")
     if isinstance(c.threads, bool) or not isinstance(c.threads, int) or c.threads < 0:
         out.append(("threads", c.threads, "is not a non-negative integer (0: torch's default)"))
@@ -375,7 +393,7 @@ def path_problems(config: WorkerConfig) -> list[str]:
     (torch included): a start-up error, not a usage error, since a volume may be mounted
     late."""
     out = []
-    for field in ("checkpoint", "target_checkpoint"):
+    for field in ("checkpoint", "target_checkpoint", "canary_checkpoint"):
         value = getattr(config, field)
         if value is None:
             continue

@@ -10,9 +10,10 @@ before they commit anything.
 
 What each op does:
 
-* HELLO (6.1, 6.2): refusals in the order version, auth, identities, geometry, limits, then the
-  session table (seq of a reconnect, capacity: ST_BUSY). The reply always carries the worker's
-  HelloReply, on a refusal too.
+* HELLO (6.1, 6.2, 6.5): refusals in the order version, auth, identities (the drafter version
+  they name, or with HF_FOLLOW the newest), geometry, limits, then the session table (seq of a
+  reconnect, capacity: ST_BUSY). The reply always carries the HelloReply of the version that
+  serves the session (of the newest on a refusal).
 * STEP (7.2): session and seq, decode, shape, generations (host side, on arrival), then the
   runner applies rows and drafts.
 * While draining (SIGTERM, section 5): HELLO and STEP get ST_DRAINING, nothing applied, and the
@@ -31,15 +32,30 @@ go only to its own connection)::
       "device": str, "dtype": str,
       "geometry": {"window": W, "num_spec": N, "row_bytes": int, "vocab_size": int,
                    "n_taps": int, "hidden": int, "capabilities": int},
-      "drafter_identity": hex, "markov_identity": hex,
+      "drafter_identity": hex, "markov_identity": hex, "drafter_name": str,
       "confidence_head": bool (false: confidences predict nothing, CAP_NO_CONFIDENCE),
+      "versions": [{"version": int, "name": str, "role": "newest" | "older" | "unloaded",
+                    "source": str, "loaded_at": float, "sessions": int,
+                    "drafter_identity": hex, "markov_identity": hex, "weights_bytes": int,
+                    "acceptance": ACCEPTANCE}],
+      "canary": null | {"version": int, "name": str, "source": str,
+                        "drafter_identity": hex, "markov_identity": hex, "fraction": float,
+                        "lanes": int, "lanes_used": int, "backlog_steps": int,
+                        "shed_entries": int, "censored_blocks": int,
+                        "device_room": {"gap_ms": float | null, "chunk_ms": float | null},
+                        "acceptance": ACCEPTANCE, "serving_acceptance": ACCEPTANCE},
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
                  "max_connections", "max_frame_bytes", "session_idle_s",
                  "partial_frame_timeout_s", "handshake_timeout_s", "connection_idle_s",
                  "shed_queue_steps"},
       "threads": int, "connections": int, "queue_steps": int,
+      "reloads": {"asked": int, "running": bool, "results": {"<what>:<result>": int},
+                  "last": null | {"number": int, "what": "drafter" | "canary",
+                                  "result": "ok" | "unchanged" | "failed", "why": str,
+                                  "at": float, "version": int | null, "seconds": float},
+                  "recent": [the last 8 outcomes, as "last"]},
       "sessions": [{"label": str, "session": int (own only), "client_name": str (own only),
-                    "sample_mode": "greedy" | "top32", "synthetic": bool,
+                    "version": int, "sample_mode": "greedy" | "top32", "synthetic": bool,
                     "max_slots": int, "slots_in_use": int, "connected": bool,
                     "age_s": float, "idle_s": float, "steps": int, "rows": int,
                     "drafted_positions": int, "acceptance": ACCEPTANCE}],
@@ -82,21 +98,24 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 import numpy as np
 
-from protocol.auth import verify_hello
+from protocol.acceptance import AcceptanceTotals
+from protocol.auth import RELOAD_MAX_SKEW_S, verify_hello, verify_reload
 from protocol.constants import (
     APP_HEADER_SIZE,
     CAP_NO_CONFIDENCE,
     CAP_SHM_ROWS,
     FRAME_STATUS_NAMES,
+    HF_FOLLOW,
     IDENTITY_BYTES,
     OP_GOODBYE,
     OP_HELLO,
     OP_PING,
+    OP_RELOAD,
     OP_RESET,
     OP_SHM_ATTACH,
     OP_STATS,
@@ -120,6 +139,7 @@ from protocol.constants import (
 from protocol.errors import (
     AuthError,
     BadFrameError,
+    BusyError,
     DrainingError,
     FrameTooLargeError,
     GeometryError,
@@ -142,6 +162,7 @@ from .metrics import Metrics
 from .runner import LaneOp, NonFiniteOutput, Runner, StepItem, reply_bytes
 from .sessions import DropReason, Outcome, Session, SessionTable, plan_step
 from .shm import ShmOps
+from .versions import Version, Versions, make_version
 
 log = logging.getLogger(__name__)
 
@@ -289,8 +310,12 @@ class Dispatcher:
                  max_frame_bytes: int | None = None,
                  stats_extra: Callable[[], dict[str, Any]] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 shm: ShmOps | None = None) -> None:
-        self.info = info
+                 shm: ShmOps | None = None, versions: Versions | None = None) -> None:
+        # The drafter versions; the newest's WorkerInfo is ``info`` (every version has the
+        # same geometry and limits; only the identities differ).
+        self.versions = versions if versions is not None else Versions(
+            make_version(1, runner.drafter, runner.pool, info))
+        self.info = cast(WorkerInfo, self.versions.newest.info)
         # The frame body limit in force: a HELLO whose largest STEP is over it is refused.
         self.max_frame_bytes = max_frame_bytes
         # Key of the session labels in STATS: a stranger can neither read an id from a label
@@ -319,7 +344,11 @@ class Dispatcher:
             OP_RESET: self._reset,
             OP_GOODBYE: self._goodbye,
             OP_SHM_ATTACH: self._shm_attach,
+            OP_RELOAD: self._reload,
         }
+        # Asks the app for a reload (RELOAD): its number, or None when it cannot now.
+        self.reload_hook: Callable[[str], int | None] | None = None
+        self._reload_nonces: OrderedDict[bytes, float] = OrderedDict()
         # Section 13: shared-memory rows regions (max_region_bytes 0: none offered).
         self.shm = shm if shm is not None else ShmOps(0)
         self._refusal_log = RateLimitedLog(log)
@@ -333,15 +362,26 @@ class Dispatcher:
         # peer host -> (window start, HELLOs whose tag did not verify since)
         self._auth_failures: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._dropped_counts: dict[str, int] = {}
-        self._hello_reply_ok: dict[tuple[bool, int], bytes] = {}
+        self._hello_reply_ok: dict[tuple[int, bool, int], bytes] = {}
         self.acceptance = WorkerAcceptance(info.num_spec, metrics.registry,
                                            has_confidence=info.has_confidence)
+        self.canary: Any = None  # canary.Canary: drafts in the shadow of the serving versions
+        for v in self.versions:
+            self.acceptance.version_added(v)
         # Gauges read when scraped: nothing to keep up to date per frame.
         metrics.sessions.set_function(lambda: len(table))
         metrics.active_slots.set_function(lambda: table.active_slots)
         metrics.window_memory_used.set_function(
             lambda: table.lanes_reserved * info.bytes_per_slot)
         metrics.queue_steps.set_function(lambda: runner.queued_steps)
+
+    def add_version(self, version: Version) -> None:
+        """Make ``version`` the newest: it serves HELLOs that follow the worker, and its
+        values are what refused HELLOs are answered with."""
+        self.versions.add(version)
+        self.acceptance.version_added(version)
+        self.info = cast(WorkerInfo, version.info)
+        self.state_version += 1
 
     # -- the boundary -----------------------------------------------------------------------------
     def handle(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply | None:
@@ -452,7 +492,7 @@ class Dispatcher:
                                limit=VERSION)
         if not verify_hello(self.secret, h.session, h.seq, hello):
             raise AuthError("HELLO authentication tag does not verify", field="auth_tag")
-        self._check_identities(hello)
+        version = self._version_for(hello)
         self._check_geometry(hello)
         self._check_limits(hello)
         now = self.clock()
@@ -480,31 +520,53 @@ class Dispatcher:
         s = result.session
         conn.session_id = s.session_id
         if result.outcome is not Outcome.RESUMED:
+            s.version = version
+            self.versions.session_added(version)
             self.runner.submit(LaneOp("allocate", s))
-        log.info("session %#010x %s: client %r from %s, %d slots, %s%s, seq %d, label %s",
-                 s.session_id, result.outcome.value, s.client_name, conn.peer, s.max_slots,
-                 SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"),
+        v = s.version if s.version is not None else version
+        log.info("session %#010x %s: client %r from %s, %d slots, %s%s, seq %d, label %s,"
+                 " version %d %s", s.session_id, result.outcome.value, s.client_name, conn.peer,
+                 s.max_slots, SAMPLE_MODE_NAMES.get(hello.sample_mode, "?"),
                  ", synthetic (kept out of acceptance)" if s.synthetic else "", h.seq,
-                 self.session_label(s.session_id))
+                 self.session_label(s.session_id), v.number, v.name)
         resumed = result.outcome is Outcome.RESUMED
         # CAP_SHM_ROWS only where a region can work: a Unix connection to a worker with a limit.
         caps = (CAP_SHM_ROWS if self.shm.max_region_bytes and getattr(conn, "kind", "") == "unix"
                 else 0)
-        body = self._hello_reply_ok.get((resumed, caps))
+        key = (v.number, resumed, caps)
+        body = self._hello_reply_ok.get(key)
         if body is None:
-            body = self._hello_reply_ok[(resumed, caps)] = self.info.hello_reply(
-                resumed, caps).pack()
+            if len(self._hello_reply_ok) > 64:  # versions come and go: keep it small
+                self._hello_reply_ok.clear()
+            body = self._hello_reply_ok[key] = v.info.hello_reply(resumed, caps).pack()
         return self._ok(h, body)
 
-    def _check_identities(self, hello: Hello) -> None:
-        i = self.info
-        for name, theirs, ours in (("drafter_identity", hello.drafter_identity,
-                                    i.drafter_identity),
-                                   ("markov_identity", hello.markov_identity, i.markov_identity)):
-            if len(theirs) != IDENTITY_BYTES or theirs != ours:
-                raise IdentityError(f"HELLO {name} {_hex8(theirs)}... is not the worker's"
-                                    f" {_hex8(ours)}...", field=name, value=theirs.hex(),
-                                    limit=ours.hex())
+    def _version_for(self, hello: Hello) -> Version:
+        """The version whose identities the HELLO names, or with HF_FOLLOW the newest (6.5);
+        a session keeps it for its life."""
+        if hello.flags & HF_FOLLOW:
+            for name in ("drafter_identity", "markov_identity"):
+                if any(getattr(hello, name)):
+                    raise BadFrameError(f"HELLO with HF_FOLLOW names a {name}"
+                                        f" ({_hex8(getattr(hello, name))}...); it asks for"
+                                        " whatever the worker serves and carries zeros",
+                                        field=name, value=getattr(hello, name).hex())
+            return self.versions.newest
+        found = None
+        if len(hello.drafter_identity) == IDENTITY_BYTES and \
+                len(hello.markov_identity) == IDENTITY_BYTES:
+            found = self.versions.find(hello.drafter_identity, hello.markov_identity)
+        if found is not None:
+            return found
+        newest = self.versions.newest
+        loaded = ", ".join(f"{v.name} ({_hex8(v.drafter_identity)}...)" for v in self.versions)
+        name, theirs, ours = (
+            ("drafter_identity", hello.drafter_identity, newest.drafter_identity)
+            if hello.drafter_identity != newest.drafter_identity
+            else ("markov_identity", hello.markov_identity, newest.markov_identity))
+        raise IdentityError(f"HELLO {name} {_hex8(theirs)}... is not the worker's"
+                            f" {_hex8(ours)}... (versions loaded: {loaded})", field=name,
+                            value=theirs.hex(), limit=ours.hex())
 
     def _check_geometry(self, hello: Hello) -> None:
         i = self.info
@@ -621,6 +683,12 @@ class Dispatcher:
             conn.complete(self._frame(h, ST_INTERNAL))
             return
         reply = item.reply
+        canary = self.canary
+        if canary is not None and not item.view.rows.flags.writeable:
+            # Rows in the client's shared memory: it may write them again once it has the
+            # reply, so the canary takes its copy first.
+            canary.observe(item)
+            canary = None
         t_done = time.perf_counter()
         body_len = reply.finish(int((t_done - item.t_arrival) * 1e6))
         buf = item.reply_buf
@@ -638,6 +706,8 @@ class Dispatcher:
             self.outputs_broken = None  # finite drafts again
         item.session.drafted += item.n_drafted
         self.acceptance.step_answered(item)
+        if canary is not None:
+            canary.observe(item)
         m.observe_stage("queue", item.t_start - item.t_queued)
         m.observe_stage("apply", item.apply_s)
         if item.drafting.size:
@@ -707,6 +777,29 @@ class Dispatcher:
         self._drop(s, DropReason.GOODBYE, f"released by its client from {conn.peer}")
         return self._ok(h)
 
+    # -- RELOAD (10) ---------------------------------------------------------------------------
+    def _reload(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
+        """Reload the drafter, asked over the wire: only under the shared secret, signed within
+        RELOAD_MAX_SKEW_S of the worker's clock, each signature once."""
+        h = fr.header
+        if self.secret is None:
+            raise AuthError("RELOAD needs the worker's shared secret (--auth-secret-file); this"
+                            " worker has none: send it SIGHUP instead", field="auth_tag")
+        now = time.time()
+        _, nonce = verify_reload(self.secret, fr.body, now)
+        seen = self._reload_nonces
+        while seen and next(iter(seen.values())) < now - 2 * RELOAD_MAX_SKEW_S:
+            seen.popitem(last=False)  # older than any signature still within the skew
+        if nonce in seen:
+            raise AuthError("RELOAD replayed: its signature was used already", field="nonce")
+        number = self.reload_hook(f"RELOAD from {conn.peer}") if self.reload_hook else None
+        if number is None:
+            raise BusyError("the worker is starting or draining: nothing reloaded")
+        seen[nonce] = now
+        while len(seen) > 4096:
+            seen.popitem(last=False)
+        return self._ok(h, msgspec.json.encode({"reload": number}))
+
     # -- SHM_ATTACH (13.2) -------------------------------------------------------------------------
     def _shm_attach(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
         h = fr.header
@@ -732,7 +825,11 @@ class Dispatcher:
         """After the table let ``s`` go: free its lanes in order with the STEPs, account."""
         self.state_version += 1
         self.runner.submit(LaneOp("free", s))
+        if s.version is not None:
+            self.versions.session_gone(s.version)
         self.acceptance.forget(s)
+        if self.canary is not None:
+            self.canary.forget(s)
         self.session_left(s.conn_id)
         self.metrics.sessions_dropped.labels(reason=reason.value).inc()
         self._dropped_counts[reason.value] = self._dropped_counts.get(reason.value, 0) + 1
@@ -767,6 +864,7 @@ class Dispatcher:
                 entry["session"] = s.session_id
                 entry["client_name"] = s.client_name
             entry.update({
+                "version": s.version.number if s.version is not None else None,
                 "sample_mode": SAMPLE_MODE_NAMES.get(s.hello.sample_mode, "?"),
                 "synthetic": s.synthetic,
                 "max_slots": s.max_slots, "slots_in_use": s.n_live,
@@ -793,7 +891,10 @@ class Dispatcher:
                          "capabilities": i.capabilities},
             "drafter_identity": i.drafter_identity.hex(),
             "markov_identity": i.markov_identity.hex(),
+            "drafter_name": self.versions.newest.name,
             "confidence_head": i.has_confidence,
+            "versions": self.versions_summary(),
+            "canary": self._canary_summary(),
             "limits": dict(i.limits),
             "queue_steps": self.runner.queued_steps,
             "sessions": sessions,
@@ -803,6 +904,32 @@ class Dispatcher:
         if self.stats_extra is not None:
             out.update(self.stats_extra())
         return out
+
+
+    def _canary_summary(self) -> dict[str, Any] | None:
+        if self.canary is None:
+            return None
+        out: dict[str, Any] = self.canary.summary()
+        room = getattr(self.runner, "room", None)
+        gap, chunk = (room.gap, room.chunk) if room is not None else (None, None)
+        out["device_room"] = {"gap_ms": None if gap is None else round(gap * 1e3, 3),
+                              "chunk_ms": None if chunk is None else round(chunk * 1e3, 3)}
+        return out
+
+    def versions_summary(self) -> list[dict[str, Any]]:
+        """The kept versions, loaded or not, for STATS."""
+        newest = self.versions.newest
+        accepted = self.acceptance.by_version()
+        empty = AcceptanceTotals(self.info.num_spec)
+        return [{"version": v.number, "name": v.name,
+                 "role": "newest" if v is newest else "older" if v.loaded else "unloaded",
+                 "source": v.source, "loaded_at": round(v.loaded_at, 3),
+                 "sessions": v.sessions if v.loaded else 0,
+                 "drafter_identity": v.drafter_identity.hex(),
+                 "markov_identity": v.markov_identity.hex(),
+                 "weights_bytes": v.weights_bytes if v.loaded else 0,
+                 "acceptance": accepted.get(v.number, ("", empty))[1].summary()}
+                for v in sorted(self.versions.kept.values(), key=lambda v: v.number)]
 
 
 def rss_bytes() -> int:

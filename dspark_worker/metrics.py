@@ -48,6 +48,13 @@ dspark_worker_cuda_graphs                   gauge      captured draft-step graph
                                                        the eager step)
 dspark_worker_cuda_graph_fallbacks_total    counter    start-up captures or self-checks that
                                                        failed (the worker then drafts eagerly)
+dspark_worker_drafter_info                  gauge      1 per drafter loaded; labels version, name,
+                                                       role (newest, older, canary),
+                                                       drafter_identity, markov_identity
+dspark_worker_version_sessions              gauge      version, name: sessions it serves
+dspark_worker_version_weights_bytes         gauge      version, name: its weights' memory
+dspark_worker_reloads_total                 counter    what (drafter, canary), result (ok,
+                                                       unchanged, failed): reloads done
 dspark_worker_acceptance_rounds_total       counter    draft blocks the next STEP judged
 dspark_worker_acceptance_drafted_total      counter    position: judged blocks with a draft there
 dspark_worker_acceptance_accepted_total     counter    position: drafts accepted there
@@ -78,7 +85,12 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -194,6 +206,14 @@ class Metrics:
         self.info = Gauge(f"{p}_info", "Constant 1; what this worker runs.",
                           ["version", "worker_name", "device", "dtype", "drafter_identity",
                            "markov_identity"], registry=r)
+        self.reloads = Counter(f"{p}_reloads", "Reloads (SIGHUP, RELOAD) of the drafter or the"
+                               " canary, by result: ok (a new version serves new HELLOs),"
+                               " unchanged (the files hold a version already serving), failed"
+                               " (nothing changed; the log says why).", ["what", "result"],
+                               registry=r)
+        for what in ("drafter", "canary"):
+            for result in ("ok", "unchanged", "failed"):
+                self.reloads.labels(what=what, result=result)
         self.batch_steps = Histogram(f"{p}_batch_steps", "STEPs per device batch.",
                                      buckets=BATCH_BUCKETS, registry=r)
         self.batch_entries = Histogram(f"{p}_batch_entries",
@@ -266,6 +286,42 @@ class Metrics:
 
     def latency_quantiles(self) -> dict[str, dict[str, float | int]]:
         return {s: w.quantiles() for s, w in self.windows.items()}
+
+
+class VersionFamilies(Collector):
+    """The drafter versions (and the canary) as families read at scrape time: ``rows()``
+    gives (version label, name, role, drafter identity hex, markov identity hex, sessions,
+    weights bytes) per drafter loaded."""
+
+    def __init__(self, rows: Callable[[], list[tuple[str, str, str, str, str, int, int]]]
+                 ) -> None:
+        self.rows = rows
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self.rows()
+        info = GaugeMetricFamily(f"{PREFIX}_drafter_info", "Constant 1 per drafter loaded:"
+                                 " its version, name, role (newest: serves new HELLOs that"
+                                 " follow the worker; older: only the sessions that said HELLO"
+                                 " to it; canary) and identities.",
+                                 labels=["version", "name", "role", "drafter_identity",
+                                         "markov_identity"])
+        sessions = GaugeMetricFamily(f"{PREFIX}_version_sessions",
+                                     "Sessions served by each drafter version.",
+                                     labels=["version", "name"])
+        weights = GaugeMetricFamily(f"{PREFIX}_version_weights_bytes",
+                                    "Memory of each loaded drafter's weights (the ring memory"
+                                    " is shared by every version).", labels=["version", "name"])
+        for version, name, role, d_id, m_id, n, nbytes in rows:
+            info.add_metric([version, name, role, d_id, m_id], 1)
+            weights.add_metric([version, name], nbytes)
+            if role != "canary":
+                sessions.add_metric([version, name], n)
+        yield info
+        yield sessions
+        yield weights
 
 
 class _StepFamilies(Collector):

@@ -16,10 +16,15 @@ rings after the first one's draft).
 
 One batch on the device: for each operation in order, lane work (allocate / free / release) or a
 STEP's rows (one ``pool.apply`` per STEP, for all its entries) and its window statuses (7.2 step
-5); then ONE ``drafter.draft`` over the union of every drafting entry of the batch; then each
+5); then ONE ``drafter.draft`` over the union of every drafting entry of the batch (one per
+drafter version while a reload's old and new versions both serve); then each
 STEP's reply is encoded in place (``StepReply.into``) into a buffer its connection reuses. If the
 batched draft raises, each STEP is drafted alone so that only the one that fails is refused
 (ST_INTERNAL, and dispatch drops its session).
+
+Between batches, when nothing is queued, the runner gives the device to shadow work (the
+canary, ``dspark_worker.canary``): one bounded chunk at a time, so a STEP that arrives meanwhile
+waits for at most that chunk.
 """
 
 from __future__ import annotations
@@ -31,14 +36,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from protocol.constants import (
     APP_HEADER_SIZE,
+    HF_FOLLOW,
     RPF_MARGIN,
+    RPF_NEWER_DRAFTER,
     RPF_NO_CONFIDENCE,
     RPF_SAMPLED,
     RS_NO_WINDOW,
@@ -117,7 +124,19 @@ class LaneOp:
         self.slots = slots
 
 
-Op = StepItem | LaneOp
+class DeviceCall:
+    """A function to run on the device thread in order with the STEPs (freeing the memory of a
+    version whose last session's lanes were just freed). What it raises is logged."""
+
+    __slots__ = ("args", "fn", "session")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.fn = fn
+        self.args = args
+        self.session = None
+
+
+Op = StepItem | LaneOp | DeviceCall
 
 
 class Runner:
@@ -153,6 +172,12 @@ class Runner:
         self.last_batch_steps = 0
         self.last_batch_entries = 0
         self.batch_log: deque[tuple[int, int]] = deque(maxlen=64)  # (steps, entries) per batch
+        # Shadow work for when no STEP waits (the canary, dspark_worker.canary): ``shadow()``
+        # gives it or None; it offers pending(), take() (loop thread), run(chunk) (device
+        # thread) and drafted(result) (loop thread).
+        self.shadow: Callable[[], Any] | None = None
+        self.shadow_errors = 0
+        self.room = IdleRoom()
 
     # -- loop side --------------------------------------------------------------------------------
     def start(self, on_death: Callable[[BaseException], None] | None = None) -> None:
@@ -170,10 +195,15 @@ class Runner:
 
         self._task.add_done_callback(died)
 
+    def submit_call(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.submit(DeviceCall(fn, *args))
+
     def submit(self, op: Op) -> None:
-        self._queue.append(op)
         if isinstance(op, StepItem):
+            if not self._queue and self._idle.is_set():
+                self.room.step_arrived(op.t_arrival)
             self.queued_steps += 1
+        self._queue.append(op)
         self._idle.clear()
         self._wake.set()
 
@@ -208,6 +238,16 @@ class Runner:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if not self._queue and self._gate.is_set() and self.shadow is not None:
+                shadow = self.shadow()
+                if shadow is not None and shadow.pending():
+                    wait = self.room.wait(time.perf_counter())
+                    if wait <= 0:
+                        await self._run_shadow(loop, shadow)  # the device has room
+                        continue
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), wait)
+                    continue
             await self._wake.wait()
             await self._gate.wait()
             batch = self._take_batch()
@@ -220,6 +260,23 @@ class Runner:
                 batch = []
             if not self._queue:
                 self._idle.set()
+
+    async def _run_shadow(self, loop: asyncio.AbstractEventLoop, shadow: Any) -> None:
+        """One bounded chunk of shadow work on the device thread, then back to the queue."""
+        chunk = shadow.take()
+        if not chunk:
+            return
+        t = time.perf_counter()
+        try:
+            result = await loop.run_in_executor(self._executor, shadow.run, chunk)
+            self.room.chunk_done(time.perf_counter() - t)
+        except Exception as exc:
+            self.shadow_errors += 1
+            if self.shadow_errors == 1 or self.shadow_errors % 1000 == 0:
+                log.error("canary drafting failed (%d times): %s: %s", self.shadow_errors,
+                          type(exc).__name__, exc, exc_info=exc)
+            result = []
+        shadow.drafted(result)
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[Op]) -> None:
         t = time.perf_counter()
@@ -248,6 +305,7 @@ class Runner:
                 if item.error is None and not item.skipped:
                     item.error = exc
         self.batches += 1
+        self.room.batch_done(time.perf_counter())
         if self._on_batch is not None:
             self._on_batch(len(steps), self.last_batch_entries)
         for item in steps:
@@ -286,6 +344,12 @@ class Runner:
             if isinstance(op, LaneOp):
                 self._lane_op(op)
                 continue
+            if isinstance(op, DeviceCall):
+                try:
+                    op.fn(*op.args)
+                except Exception:
+                    log.exception("device call %s failed", getattr(op.fn, "__name__", op.fn))
+                continue
             if op.skipped:
                 continue
             t = time.perf_counter()
@@ -311,19 +375,26 @@ class Runner:
             if isinstance(op, StepItem):
                 op.t_exec0, op.t_exec1 = t_exec0, t_exec1
 
+    def _drafter_of(self, s: Session) -> tuple[Any, Any]:
+        """The drafter and ring pool of the session's version (the runner's own for a session
+        made without one)."""
+        v = s.version
+        return (self.drafter, self.pool) if v is None else (v.drafter, v.pool)
+
     def _lane_op(self, op: LaneOp) -> None:
         s = op.session
+        pool = self._drafter_of(s)[1]
         try:
             if op.kind == "allocate":
-                s.lanes = self.pool.allocate(s.max_slots)
+                s.lanes = pool.allocate(s.max_slots)
             elif s.lanes is None:
                 return
             elif op.kind == "free":
-                self.pool.free(s.lanes)
+                pool.free(s.lanes)
                 s.lanes = None
             elif op.kind == "release":
                 lanes = s.lanes if op.slots is None else s.lanes[op.slots]
-                self.pool.release(lanes)
+                pool.release(lanes)
         except Exception:
             # The session's STEPs will find no lanes and be answered ST_INTERNAL.
             log.exception("ring %s for session %#010x failed", op.kind, s.session_id)
@@ -331,6 +402,7 @@ class Runner:
     def _apply(self, item: StepItem) -> None:
         """7.2 steps 4 and 5 for one STEP."""
         s, plan = item.session, item.plan
+        pool = self._drafter_of(s)[1]
         lanes_all = s.lanes
         if lanes_all is None:
             raise InternalError(f"session {s.session_id:#010x} holds no ring lanes")
@@ -351,10 +423,10 @@ class Runner:
                                        in zip(ends, counts, applied, strict=True) if a and c]
                                       or [np.zeros(0, dtype=np.int64)])
                 rows = rows[keep]
-            self.pool.apply(lanes, anchor[pick], counts[pick], plan.reset[pick], rows)
-            wr[pick] = self.pool.window_rows(lanes, anchor[pick])
+            pool.apply(lanes, anchor[pick], counts[pick], plan.reset[pick], rows)
+            wr[pick] = pool.window_rows(lanes, anchor[pick])
         if not plan.steady and plan.release.any():
-            self.pool.release(lanes_all[plan.slots[plan.release]])
+            pool.release(lanes_all[plan.slots[plan.release]])
         expected = np.minimum(anchor, self.window)
         wr = np.minimum(wr, expected)
         need = plan.need_draft
@@ -380,12 +452,20 @@ class Runner:
         item.drafting = np.flatnonzero(drafting)
 
     def _draft_all(self, items: list[StepItem]) -> None:
-        """One drafter call for every drafting entry of the batch; split the result back."""
+        """One drafter call per version for every drafting entry of the batch (one call in
+        all, but while a reload's old and new versions both serve); split the results back."""
         self.last_batch_steps = len(items)
         self.last_batch_entries = int(sum(it.drafting.size for it in items))
         self.batch_log.append((self.last_batch_steps, self.last_batch_entries))
         if not items:
             return
+        groups: dict[int, list[StepItem]] = {}
+        for item in items:
+            groups.setdefault(id(item.session.version), []).append(item)
+        for group in groups.values():
+            self._draft_group(group)
+
+    def _draft_group(self, items: list[StepItem]) -> None:
         t = time.perf_counter()
         try:
             result = self._draft(items)
@@ -441,9 +521,9 @@ class Runner:
                     temperature=column("temperature", np.float32),
                     top_p=column("top_p", np.float32), seed=column("seed", np.uint64),
                     generation=column("generation", np.uint32))
-        return self.drafter.draft(self.pool, joined(lanes).astype(np.int64, copy=False),
-                                  joined(anchor), joined(token), self.num_spec,
-                                  sampling=sampling)
+        drafter, pool = self._drafter_of(items[0].session)  # one version (_draft_all)
+        return drafter.draft(pool, joined(lanes).astype(np.int64, copy=False),
+                             joined(anchor), joined(token), self.num_spec, sampling=sampling)
 
     @staticmethod
     def _split(result: Any, items: list[StepItem]) -> None:
@@ -459,7 +539,12 @@ class Runner:
         s, plan, N = item.session, item.plan, self.num_spec
         if item.status is None or item.window_rows is None:  # pragma: no cover - by _apply
             raise InternalError("STEP reached encode without statuses")
-        flags = self._reply_flags | (RPF_SAMPLED if s.sampled else 0)
+        v = s.version
+        flags = (self._reply_flags if v is None else
+                 RPF_MARGIN | (0 if v.has_confidence else RPF_NO_CONFIDENCE))
+        flags |= RPF_SAMPLED if s.sampled else 0
+        if v is not None and v.superseded and s.hello.flags & HF_FOLLOW:
+            flags |= RPF_NEWER_DRAFTER  # 6.5: its client moves to the newest version
         n = plan.slots.size
         reply = StepReply.into(item.reply_buf, APP_HEADER_SIZE, int(item.view.header.step_id),
                                n, N, flags)
@@ -506,6 +591,47 @@ class Runner:
                     reply.support_ids[rows] = support
                     reply.proposal_q[rows] = q
         item.reply = reply
+
+
+class IdleRoom:
+    """Whether the device has room for a chunk of shadow work now: the shortest of the last
+    GAPS gaps between a batch's end and the next STEP (taken while nothing was queued) against
+    how long a chunk takes (a moving average). A chunk runs when it should end before the next
+    STEP is due, or once that STEP is overdue (traffic paused). The shortest, not a mean: one
+    engine that starts sending STEPs back to back stops the shadow work at its first short
+    gap, and it resumes only after GAPS long ones."""
+
+    GAPS: Final = 8
+    WEIGHT: Final = 0.2  # of the newest chunk in the moving average
+
+    def __init__(self) -> None:
+        self._gaps: deque[float] = deque(maxlen=self.GAPS)
+        self.chunk: float | None = None
+        self._end = 0.0
+
+    @property
+    def gap(self) -> float | None:
+        return min(self._gaps) if self._gaps else None
+
+    def batch_done(self, t: float) -> None:
+        self._end = t
+
+    def step_arrived(self, t: float) -> None:
+        self._gaps.append(max(t - self._end, 0.0))
+
+    def chunk_done(self, seconds: float) -> None:
+        self.chunk = (seconds if self.chunk is None
+                      else self.chunk + self.WEIGHT * (seconds - self.chunk))
+
+    def wait(self, now: float) -> float:
+        """Seconds to wait before a chunk fits (0: now)."""
+        gap = self.gap
+        if gap is None or self.chunk is None:
+            return 0.0
+        idle = now - self._end
+        if gap - idle >= self.chunk:
+            return 0.0
+        return max(0.0, 2 * gap + self.chunk - idle)
 
 
 class NonFiniteOutput(InternalError):

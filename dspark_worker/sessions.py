@@ -93,6 +93,7 @@ class Session:
         "session_id",
         "steps",
         "synthetic",
+        "version",
     )
 
     def __init__(self, session_id: int, hello: Hello, conn_id: int, seq: int,
@@ -116,6 +117,7 @@ class Session:
         self.steps = 0
         self.rows = 0
         self.drafted = 0
+        self.version: Any = None  # the drafter version serving it (versions.Version)
 
     def __repr__(self) -> str:
         return (f"Session({self.session_id:#010x}, client {self.client_name!r},"

@@ -22,6 +22,7 @@ OP_STATS: Final = 4
 OP_RESET: Final = 5
 OP_GOODBYE: Final = 6  # release the session and all its slots now (6.2)
 OP_SHM_ATTACH: Final = 7  # section 13: a shared-memory rows region for this connection
+OP_RELOAD: Final = 8  # section 10: reload the drafter, signed with the shared secret
 OP_NAMES: Final[dict[int, str]] = {
     OP_HELLO: "HELLO",
     OP_STEP: "STEP",
@@ -30,6 +31,7 @@ OP_NAMES: Final[dict[int, str]] = {
     OP_RESET: "RESET",
     OP_GOODBYE: "GOODBYE",
     OP_SHM_ATTACH: "SHM_ATTACH",
+    OP_RELOAD: "RELOAD",
 }
 
 # -- section 5: frame statuses --------------------------------------------------------------------
@@ -84,7 +86,10 @@ KNOWN_CAPABILITIES: Final = (CAP_TAPS_BF16 | CAP_TOP32 | CAP_MARGIN | CAP_SHM_RO
 # Hello flags (the u16 at offset 26). HF_SYNTHETIC: the session's rows and tokens are made up
 # (a benchmark, a load test): the worker keeps its drafts out of every acceptance figure.
 HF_SYNTHETIC: Final = 1
-KNOWN_HELLO_FLAGS: Final = HF_SYNTHETIC
+# HF_FOLLOW: serve whatever drafter the worker serves now (6.5): the HELLO's identities are
+# zero, the reply's say which version the session got.
+HF_FOLLOW: Final = 2
+KNOWN_HELLO_FLAGS: Final = HF_SYNTHETIC | HF_FOLLOW
 NAME_BYTES: Final = 32  # client_name / worker_name: UTF-8, NUL padded
 IDENTITY_BYTES: Final = 32  # SHA-256
 AUTH_TAG_BYTES: Final = 32  # HMAC-SHA256
@@ -122,7 +127,10 @@ REPLY_HEADER_SIZE: Final = 24
 RPF_MARGIN: Final = 1
 RPF_SAMPLED: Final = 2
 RPF_NO_CONFIDENCE: Final = 4  # the confidences carry no prediction (CAP_NO_CONFIDENCE)
-KNOWN_REPLY_FLAGS: Final = RPF_MARGIN | RPF_SAMPLED | RPF_NO_CONFIDENCE
+# Only on sessions that HELLOed with HF_FOLLOW: the worker serves new HELLOs with another drafter
+# version than this session's (6.5). Layout unchanged.
+RPF_NEWER_DRAFTER: Final = 8
+KNOWN_REPLY_FLAGS: Final = RPF_MARGIN | RPF_SAMPLED | RPF_NO_CONFIDENCE | RPF_NEWER_DRAFTER
 REPLY_ALIGN: Final = 8  # every reply array starts at a multiple of this from the body's start
 
 # -- section 9: sampled proposals (dyadic24) ------------------------------------------------------

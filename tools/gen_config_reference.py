@@ -53,6 +53,8 @@ def _type_name(action: argparse.Action) -> str:
         return "boolean"
     if action.dest == "config":
         return "path"
+    if action.type is float and action.metavar != "SECONDS":
+        return "number"  # a fraction, not a time
     for typ, name in _TYPE_NAMES.items():
         if action.type is typ:
             return name

@@ -15,6 +15,7 @@ from .config import DrafterConfig, DrafterConfigError
 from .drafter import (
     Drafter,
     DraftResult,
+    ReadDrafter,
     SamplingParams,
     embedded_default,
     embedded_identities,
@@ -22,6 +23,7 @@ from .drafter import (
     load_drafter,
     random_default,
     random_identities,
+    read_drafter,
 )
 from .embedded import EMBEDDED_CONFIG, random_tensors
 from .families import (
@@ -54,6 +56,7 @@ __all__ = [
     "Gemma4DrafterModel",
     "LoadedCheckpoint",
     "PoolExhaustedError",
+    "ReadDrafter",
     "RingPool",
     "SamplingParams",
     "SpeculatorsConfig",
@@ -74,5 +77,6 @@ __all__ = [
     "random_default",
     "random_identities",
     "random_tensors",
+    "read_drafter",
     "save_checkpoint",
 ]

@@ -27,7 +27,7 @@ from protocol.identity import (
     markov_walk_identity,
 )
 
-from .checkpoint import load_checkpoint, tensor_records
+from .checkpoint import LoadedCheckpoint, load_checkpoint, tensor_records
 from .config import DrafterConfig, DrafterConfigError, read_config_json
 from .embedded import EMBEDDED_CONFIG, EMBEDDED_SEED, random_tensors
 from .families import build_model, family_of
@@ -182,15 +182,17 @@ class Drafter:
             return self._download(out, rows)
 
     def prepare_graphs(self, pool: RingPool, largest: int, mode: str = "auto", *,
-                       replay: ReplayFactory | None = None) -> GraphReport:
+                       replay: ReplayFactory | None = None,
+                       lanes: npt.NDArray[np.int64] | None = None) -> GraphReport:
         """Make the bucketed static step for ``pool`` (buckets up to ``largest`` lanes), check
         it against the eager step (``StepGraphs.self_check``) and draft through it from now on.
 
         ``mode`` "auto": on CUDA, one captured graph per bucket and sampling mode; elsewhere the
         eager step stays. "off": the eager step. ``replay`` (tests): how each bucket's step is
         run instead of a CUDA graph, on any device. Any exception or difference leaves the
-        eager step in place and says why in ``GraphReport.fallback``. Call it before any lane
-        of ``pool`` holds a window: the self-check writes random ring contents (zeroed after).
+        eager step in place and says why in ``GraphReport.fallback``. The self-check writes
+        random ring contents into ``lanes`` (zeroed after; None: every lane, so call it before
+        any lane of ``pool`` holds a window).
         """
         if mode not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs {mode!r} is not one of {', '.join(CUDA_GRAPH_MODES)}")
@@ -205,7 +207,7 @@ class Drafter:
         try:
             graphs = StepGraphs(self.model, pool, self.num_spec, largest, factory,
                                 self.draft_topk)
-            problem = graphs.self_check()
+            problem = graphs.self_check(lanes=lanes)
         except Exception as exc:  # capture can fail in many ways; each one means eager
             problem = f"{type(exc).__name__}: {exc}"
         if graphs is None or problem is not None:
@@ -494,6 +496,45 @@ def _resolve(device: str | torch.device, dtype: torch.dtype | None
     return dev, dtype if dtype is not None else default_dtype(dev)
 
 
+@dataclass(frozen=True)
+class ReadDrafter:
+    """A drafter checkpoint read into host memory, checked and identified, not yet built on a
+    device (``build``): a reload compares identities before it spends device memory."""
+
+    loaded: LoadedCheckpoint
+    source: str
+    draft_topk: int
+
+    @property
+    def drafter_identity(self) -> bytes:
+        return self.loaded.drafter_identity
+
+    @property
+    def markov_identity(self) -> bytes:
+        """As the drafter announces it: the candidate walk included (CONTRACT 6.4)."""
+        return markov_walk_identity(self.loaded.markov_identity, self.draft_topk)
+
+    def build(self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+              ) -> Drafter:
+        dev, dt = _resolve(device, dtype)
+        model = build_model(self.loaded.config, self.loaded.tensors, device=dev, dtype=dt)
+        return Drafter(model, drafter_identity=self.loaded.drafter_identity,
+                       markov_identity=self.loaded.markov_identity, source=self.source,
+                       draft_topk=self.draft_topk)
+
+
+def read_drafter(checkpoint: str | Path, target_checkpoint: str | Path | None = None, *,
+                 record_identities: bool = True, draft_topk: int | None = None,
+                 source: str | None = None) -> ReadDrafter:
+    """Read and check a DeepSpec checkpoint folder (``load_checkpoint``) and the candidate
+    walk's k (None: the checkpoint config's ``dspark_draft_topk``, else off; 0: off)."""
+    loaded = load_checkpoint(checkpoint, target_checkpoint, record_identities=record_identities)
+    if draft_topk is None:
+        draft_topk = checkpoint_draft_topk(checkpoint)
+    src = str(checkpoint) if source is None else source
+    return ReadDrafter(loaded, src, check_draft_topk(draft_topk or 0, loaded.config, src))
+
+
 def load_drafter(checkpoint: str | Path | None, target_checkpoint: str | Path | None = None,
                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None, *,
                  record_identities: bool = True, draft_topk: int | None = None) -> Drafter:
@@ -504,14 +545,8 @@ def load_drafter(checkpoint: str | Path | None, target_checkpoint: str | Path | 
     if checkpoint is None:
         drafter = embedded_default(device=device, dtype=dtype)
         return drafter.with_draft_topk(draft_topk) if draft_topk else drafter
-    dev, dt = _resolve(device, dtype)
-    loaded = load_checkpoint(checkpoint, target_checkpoint, record_identities=record_identities)
-    if draft_topk is None:
-        draft_topk = checkpoint_draft_topk(checkpoint)
-    model = build_model(loaded.config, loaded.tensors, device=dev, dtype=dt)
-    return Drafter(model, drafter_identity=loaded.drafter_identity,
-                   markov_identity=loaded.markov_identity, source=str(checkpoint),
-                   draft_topk=draft_topk or 0)
+    return read_drafter(checkpoint, target_checkpoint, record_identities=record_identities,
+                        draft_topk=draft_topk).build(device, dtype)
 
 
 def from_tensors(config: DrafterConfig, tensors: dict[str, torch.Tensor], *,

@@ -102,8 +102,34 @@ class RingPool:
         self._end = np.zeros(self.capacity_lanes, dtype=np.int64)
         self._in_use = np.zeros(self.capacity_lanes, dtype=bool)
         self._pinned = self.device.type == "cuda"
-        self._staging: Tensor | None = None  # pinned host buffer for incoming rows (CUDA)
-        self._copy_done: torch.cuda.Event | None = None  # the last copy out of _staging
+        self._stage = _Staging()  # pinned host buffer for incoming rows (CUDA)
+
+    # -- other drafters over the same rings ----------------------------------------------------
+    @property
+    def layout(self) -> tuple[Any, ...]:
+        """What a lane holds: layers, KV heads, W, head dim, dtype, device. Drafters of one
+        layout can share the ring memory (``sibling``)."""
+        c = self.model.config
+        return (c.num_hidden_layers, c.num_key_value_heads, self.window, c.head_dim,
+                self.dtype, self.device)
+
+    def sibling(self, model: DraftModel) -> RingPool:
+        """A pool for ``model`` over this pool's ring memory and lanes: a lane allocated
+        through either is taken in both, and each lane's K/V are projected by the drafter of
+        the session holding it. ValueError when the model's ring layout differs (another
+        count of layers or KV heads, head dim, dtype or device)."""
+        c = model.config
+        theirs = (c.num_hidden_layers, c.num_key_value_heads, self.window, c.head_dim,
+                  model.fc.weight.dtype, model.fc.weight.device)
+        if theirs != self.layout:
+            names = ("layers", "kv heads", "W", "head_dim", "dtype", "device")
+            diff = ", ".join(f"{n} {a} (serving {b})" for n, a, b
+                             in zip(names, theirs, self.layout, strict=True) if a != b)
+            raise ValueError(f"its ring layout differs: {diff}")
+        other = object.__new__(RingPool)
+        other.__dict__.update(self.__dict__)  # the same tensors, window arrays and staging
+        other.model = model
+        return other
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -244,17 +270,18 @@ class RingPool:
             # rows are consumed before the reply (the client may rewrite them after it).
             return _host_tensor(host).to(self.device).view(torch.bfloat16)  # [R, tap_width]
         need = host.size
-        if self._staging is None or self._staging.numel() < need:
-            self._staging = torch.empty(max(need, 1 << 20), dtype=torch.int16, pin_memory=True)
-        elif self._copy_done is not None:
+        st = self._stage
+        if st.buffer is None or st.buffer.numel() < need:
+            st.buffer = torch.empty(max(need, 1 << 20), dtype=torch.int16, pin_memory=True)
+        elif st.done is not None:
             # The previous STEP's copy may still read the staging buffer: wait for it (it has
             # almost always finished) before the host overwrites it.
-            self._copy_done.synchronize()
-        stage = self._staging[:need].view(host.shape)  # [R, tap_width] pinned
+            st.done.synchronize()
+        stage = st.buffer[:need].view(host.shape)  # [R, tap_width] pinned
         stage.numpy()[...] = host  # one host copy, straight from the frame's bytes
         out = stage.to(self.device, non_blocking=True)  # [R, tap_width] int16
-        self._copy_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._copy_done.record()
+        st.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        st.done.record()
         return out.view(torch.bfloat16)  # [R, tap_width]
 
     def _upload(self, array: npt.NDArray[np.int64]) -> Tensor:
@@ -280,6 +307,17 @@ class RingPool:
             bad = ids[~self._in_use[ids]]
             raise ValueError(f"lanes {bad.tolist()} are not allocated")
         return ids
+
+
+class _Staging:
+    """The pinned host buffer rows are copied through on CUDA, and the event of the last copy
+    out of it; one for a pool and its siblings (they run on one thread)."""
+
+    __slots__ = ("buffer", "done")
+
+    def __init__(self) -> None:
+        self.buffer: Tensor | None = None
+        self.done: torch.cuda.Event | None = None
 
 
 class RingContext(ContextSource):

@@ -215,22 +215,33 @@ class StepGraphs:
         replay.replay()
         return {name: t[:b] for name, t in replay.outputs.items()}
 
-    def self_check(self, seed: int = 0) -> str | None:
+    def self_check(self, seed: int = 0, lanes: npt.NDArray[np.int64] | None = None
+                   ) -> str | None:
         """Replay every bucket on random lanes (random ring contents, windows that wrap, mixed
         window lengths, greedy and sampled lanes, padded lanes) against the eager step on the
         same buffers: ids, supports and q exactly, confidence and margin within the dtype's
-        tolerance. None when all agree, else the first difference in words. The ring pool's
-        contents are random meanwhile and zero after: run it before any lane holds a window."""
+        tolerance. None when all agree, else the first difference in words. ``lanes``: the
+        lanes it may write (random meanwhile, zero after; None: every lane of the pool), so
+        that a pool whose other lanes hold live windows keeps them."""
         rng = np.random.default_rng(seed)
         pool = self.pool
         vocab = pool.model.config.vocab_size
         tol = 1e-4 if pool.dtype == torch.float32 else 2e-2
+        idx = None if lanes is None else torch.as_tensor(lanes, dtype=torch.int64,
+                                                          device=pool.device)
         try:
             with torch.inference_mode():
-                pool.kv.normal_(generator=torch.Generator(pool.device).manual_seed(seed))
+                gen = torch.Generator(pool.device).manual_seed(seed)
+                if idx is None:
+                    pool.kv.normal_(generator=gen)
+                else:  # [2, L, lanes, Hkv, W, D]
+                    shape = (*pool.kv.shape[:2], idx.numel(), *pool.kv.shape[3:])
+                    pool.kv.index_copy_(2, idx, torch.randn(shape, generator=gen,
+                                                            dtype=pool.dtype,
+                                                            device=pool.device))
                 for (size, sampled), replay in self.replays.items():
                     b = max(1, size - 1) if size > 1 else 1  # a padded lane where there is room
-                    ints, floats, u = random_inputs(rng, b, self.n, pool, vocab, sampled)
+                    ints, floats, u = random_inputs(rng, b, self.n, pool, vocab, sampled, lanes)
                     replay.step.load(ints, floats, u)
                     replay.replay()
                     got = {k: v.clone() for k, v in replay.outputs.items()}
@@ -241,18 +252,23 @@ class StepGraphs:
                         return f"{where}: {problem}"
         finally:
             with torch.inference_mode():
-                pool.kv.zero_()
+                if idx is None:
+                    pool.kv.zero_()
+                else:
+                    pool.kv.index_fill_(2, idx, 0)
         return None
 
 
 def random_inputs(rng: np.random.Generator, b: int, n: int, pool: RingPool, vocab: int,
-                  sampled: bool) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64] | None,
-                                          npt.NDArray[np.int64] | None]:
-    """b random lanes for ``StaticStep.load``: any ring lane, windows of 0..W rows ending at
-    anchors up to 3 W (so many wrap the ring's end), and when sampled a mix of greedy lanes and
-    lanes of every top_k, temperature and top_p."""
+                  sampled: bool, among: npt.NDArray[np.int64] | None = None
+                  ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64] | None,
+                             npt.NDArray[np.int64] | None]:
+    """b random lanes for ``StaticStep.load``: any ring lane (or one of ``among``), windows of
+    0..W rows ending at anchors up to 3 W (so many wrap the ring's end), and when sampled a mix
+    of greedy lanes and lanes of every top_k, temperature and top_p."""
     w = pool.window
-    lanes = rng.integers(0, pool.capacity_lanes, b)
+    lanes = (rng.integers(0, pool.capacity_lanes, b) if among is None
+             else rng.choice(np.asarray(among, dtype=np.int64), b))
     anchor = rng.integers(0, 3 * w + 1, b)
     rows = np.minimum(rng.integers(0, w + 1, b), anchor)
     token = rng.integers(0, vocab, b)

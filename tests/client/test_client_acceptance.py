@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
-from test_client_metrics import DRAFTER, parsed, scrape, value
+from test_client_metrics import DRAFTER, parsed, scrape, summed, value
 
 import dspark_client as dc
 from protocol import wire
@@ -114,7 +114,9 @@ def scrape_worker(worker: WorkerProcess) -> dict[Any, float]:
 
 
 def by_position(samples: dict[Any, float], name: str, n: int, **labels: str) -> list[float]:
-    return [value(samples, name, position=str(j), **labels) for j in range(n)]
+    """Per position; a worker's series summed over its drafter versions."""
+    get = summed if name.startswith("dspark_worker_") else value
+    return [get(samples, name, position=str(j), **labels) for j in range(n)]
 
 
 def test_both_sides_count_exactly_what_a_known_engine_accepted(worker: WorkerProcess) -> None:
@@ -194,7 +196,7 @@ def test_both_sides_count_exactly_what_a_known_engine_accepted(worker: WorkerPro
     assert value(s, "dspark_client_steps_ok_total") == value(s, "dspark_client_steps_total")
     # The worker's side (a worker of this test's own): the same blocks, counted from the STEPs
     # it applied.
-    assert value(after, q + "rounds_total") - value(before, q + "rounds_total") == want.rounds
+    assert summed(after, q + "rounds_total") - summed(before, q + "rounds_total") == want.rounds
     for name, wanted in (("accepted", want.accepted), ("drafted", want.drafted)):
         got = np.subtract(by_position(after, f"{q}{name}_total", n),
                           by_position(before, f"{q}{name}_total", n))
@@ -275,7 +277,7 @@ def test_a_bench_beside_an_engine_leaves_the_workers_acceptance_as_it_was(
         m = scrape_worker(worker)
         status, body = client.simple_request(wire.OP_STATS)
         assert status == wire.ST_OK
-        return (value(m, q + "rounds_total"), by_position(m, q + "accepted_total", n),
+        return (summed(m, q + "rounds_total"), by_position(m, q + "accepted_total", n),
                 by_position(m, q + "drafted_total", n), json.loads(body))
 
     try:
@@ -347,9 +349,9 @@ def test_one_session_moves_the_totals_but_not_the_median_session() -> None:
             for c in clients:
                 c.close()
     assert min(e.k[0] for e in engines) >= 2  # every block offered two drafts to accept
-    total_mean = (value(m, "dspark_worker_acceptance_accepted_total", position="0")
-                  + value(m, "dspark_worker_acceptance_accepted_total", position="1")
-                  ) / value(m, "dspark_worker_acceptance_rounds_total")
+    total_mean = (summed(m, "dspark_worker_acceptance_accepted_total", position="0")
+                  + summed(m, "dspark_worker_acceptance_accepted_total", position="1")
+                  ) / summed(m, "dspark_worker_acceptance_rounds_total")
     assert total_mean < 1.0  # the broken engine's blocks outnumber the others'
     assert value(m, "dspark_worker_acceptance_sessions_judged") == 4
     q = "dspark_worker_acceptance_session_accepted_drafts"

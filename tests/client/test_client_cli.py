@@ -282,7 +282,7 @@ def test_help_of_both_console_scripts_and_every_command(
     assert scripts == {"dspark-worker": "dspark_worker.cli:main",
                        "dspark-client": "dspark_client.cli:main"}
     commands = _subcommands(build_parser())
-    assert set(commands) == {"ping", "stats", "reset", "bench", "demo"}
+    assert set(commands) == {"ping", "stats", "reset", "reload", "bench", "demo"}
     cases: list[tuple[Any, list[str], str]] = [(worker_cli.main, ["--help"], "dspark-worker")]
     for flag in ("--help", "-h"):
         cases.append((main, [flag], "dspark-client"))

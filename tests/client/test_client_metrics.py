@@ -65,6 +65,16 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
+def summed(samples: dict[Any, float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples that carry these labels, whatever their others (a worker's
+    acceptance series, by drafter version)."""
+    want = set(labels.items())
+    found = [v for (n, ls), v in samples.items() if n == name and want <= set(ls)]
+    if not found:
+        raise KeyError((name, labels))
+    return float(sum(found))
+
+
 def test_a_real_round_trip_shows_in_a_scrape_and_in_the_dict(worker: WorkerProcess) -> None:
     assert worker.endpoint is not None
     hello = dc.hello_from_checkpoint(DRAFTER, window=64, max_slots=4, client_name="metrics-test",

@@ -897,15 +897,19 @@ def scrape(url: str) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from tests.support.drafters import perturbed_reference
     from tests.support.worker_proc import start_worker
 
     secret_file = tmp_path_factory.mktemp("auth") / "secret"
     secret = b"deploy-test-secret"
     secret_file.write_bytes(secret + b"\n")
     secret_file.chmod(0o600)
+    # A canary too (the reference drafter perturbed), so that its families are scraped.
+    canary = perturbed_reference(tmp_path_factory.mktemp("canary") / "candidate")
     with start_worker("--max-total-slots", "8", "--window", "64", "--max-slots", "8",
                       "--max-rows-per-step", "64", "--partial-frame-timeout-s", "0.3",
-                      "--auth-secret-file", str(secret_file), "--log-level", "WARNING") as w:
+                      "--auth-secret-file", str(secret_file), "--log-level", "WARNING",
+                      "--canary-checkpoint", str(canary), "--canary-fraction", "1") as w:
         assert w.host is not None and w.port is not None and w.metrics_url is not None
         drive(w.host, w.port, secret)
         deadline = time.monotonic() + 10

@@ -453,15 +453,16 @@ def test_step_prefix_in_front_of_staged_rows() -> None:
 
 
 def test_hello_flags_at_offset_26() -> None:
-    """HF_SYNTHETIC travels in the u16 at offset 26 (6.1); a bit the contract does not define
-    is refused both ways, naming the field."""
+    """HF_SYNTHETIC and HF_FOLLOW travel in the u16 at offset 26 (6.1, 6.5); a bit the
+    contract does not define is refused both ways, naming the field."""
     body = HELLO[24:]
     synthetic = Hello.unpack(body[:26] + b"\x01\x00" + body[28:])
     assert synthetic.flags == wire.HF_SYNTHETIC
     assert synthetic.pack() == body[:26] + b"\x01\x00" + body[28:]
+    assert Hello.unpack(body[:26] + b"\x02\x00" + body[28:]).flags == wire.HF_FOLLOW
     assert Hello.unpack(body).flags == 0
-    with pytest.raises(BadFrameError, match="flags 0x0002") as info:
-        Hello.unpack(body[:26] + b"\x02\x00" + body[28:])
-    assert info.value.field == "flags" and info.value.value == 2
+    with pytest.raises(BadFrameError, match="flags 0x0004") as info:
+        Hello.unpack(body[:26] + b"\x04\x00" + body[28:])
+    assert info.value.field == "flags" and info.value.value == 4
     with pytest.raises(BadFrameError, match="flags 0x8001"):
         msgspec.structs.replace(synthetic, flags=0x8001).pack()

@@ -58,7 +58,8 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
         'listen = "0.0.0.0:9000"', 'unix = "/run/d.sock"', 'metrics_listen = "[::1]:9001"',
         'worker_name = "w1"', 'auth_secret_file = "/s"', 'port_file = "/p"',
         'log_level = "debug"', "warmup = false", 'cuda_graphs = "off"',
-        "dspark_draft_topk = 1024"])
+        "dspark_draft_topk = 1024", "max_versions = 4", 'canary_checkpoint = "/canary"',
+        "canary_fraction = 0.5"])
     c = build_config(write(tmp_path, text))
     given = {line.split(" = ")[0] for line in text.splitlines()}
     assert given == set(WorkerConfig.__struct_fields__)  # the file names every field
@@ -66,6 +67,7 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
     assert c.drain_s == 2.5
     assert c.max_shm_region_bytes == 0 and c.sessions_per_peer == 2
     assert c.cuda_graphs == "off" and c.dspark_draft_topk == 1024
+    assert c.max_versions == 4 and c.canary_checkpoint == "/canary" and c.canary_fraction == 0.5
 
 
 @pytest.mark.parametrize(("text", "field", "value"), [
@@ -76,6 +78,9 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
     ('session_idle_s = "30"', "session_idle_s", "30"),
     ("warmup = 1", "warmup", 1),
     ("max_slots = -1", "max_slots", -1),
+    ("max_versions = 1", "max_versions", 1),
+    ("canary_fraction = 0", "canary_fraction", 0),
+    ("canary_fraction = 1.5", "canary_fraction", 1.5),
     ('device = "tpu"', "device", "tpu"),
     ('listen = "localhost"', "listen", "localhost"),
     ('listen = "host:99999"', "listen", "host:99999"),

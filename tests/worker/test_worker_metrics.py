@@ -35,6 +35,12 @@ def value(s: dict[Any, float], name: str, **labels: str) -> float:
     return s.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def summed(s: dict[Any, float], name: str, **labels: str) -> float:
+    """Over every sample of ``name`` carrying these labels (acceptance: every version)."""
+    want = set(labels.items())
+    return float(sum(v for (n, ls), v in s.items() if n == name and want <= set(ls)))
+
+
 def test_metrics_move_with_frames(worker: ThreadWorker, drafter: Any) -> None:
     d = drafter
     status, text = worker.scrape()
@@ -296,12 +302,14 @@ def test_acceptance_per_session_and_in_total(worker: ThreadWorker, drafter: Any)
         assert acc["mean_accepted_length"] == 3.0
         _, text = worker.scrape()
         s = samples(text)
-        assert value(s, "dspark_worker_acceptance_rounds_total") == 1
-        assert value(s, "dspark_worker_acceptance_accepted_total", position="1") == 1
-        assert value(s, "dspark_worker_acceptance_accepted_total", position="2") == 0
-        assert value(s, "dspark_worker_acceptance_drafted_total",
+        assert summed(s, "dspark_worker_acceptance_rounds_total") == 1
+        by_version = (("name", st["drafter_name"]), ("version", "1"))
+        assert s[("dspark_worker_acceptance_rounds_total", by_version)] == 1  # who drafted
+        assert summed(s, "dspark_worker_acceptance_accepted_total", position="1") == 1
+        assert summed(s, "dspark_worker_acceptance_accepted_total", position="2") == 0
+        assert summed(s, "dspark_worker_acceptance_drafted_total",
                      position=str(d.num_spec - 1)) == 1
-        predicted = [value(s, "dspark_worker_acceptance_predicted_total", position=str(j))
+        predicted = [summed(s, "dspark_worker_acceptance_predicted_total", position=str(j))
                      for j in range(d.num_spec)]
         assert predicted == pytest.approx(np.cumprod(conf).tolist(), rel=1e-5)
     with worker.connect() as c2:  # the engine restarted: a new session, the same name

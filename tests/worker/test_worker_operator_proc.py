@@ -36,10 +36,12 @@ def _wait(pred: Any, timeout: float = 10.0) -> bool:
     return True
 
 
-def test_hup_and_usr_signals_are_logged_and_do_not_kill_quit_drains() -> None:
+def test_hup_reloads_usr_signals_are_logged_none_kills_quit_drains() -> None:
     with start_worker(*SMALL) as w:
         assert w.host and w.port
-        for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        w.proc.send_signal(signal.SIGHUP)  # the same embedded drafter: nothing to change
+        assert _wait(lambda: "reload of the drafter unchanged" in w.log_text())
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
             w.proc.send_signal(sig)
             assert _wait(lambda s=sig: f"{signal.Signals(s).name}: ignored" in w.log_text())
         assert w.running

@@ -319,3 +319,32 @@ def test_walk_finishing_each_position_equals_the_whole_logits(name: str) -> None
             for field in ("draft_ids", "confidence", "margin", "support_ids", "proposal_q"):
                 a, c = getattr(whole, field), getattr(walked, field)
                 assert (a is None and c is None) or torch.equal(a, c), field
+
+
+def test_a_second_drafter_captures_its_step_over_shared_rings_keeping_live_windows() -> None:
+    """A reload's drafter gets a sibling of the serving pool (the same ring memory and lanes,
+    its own model) and checks its captured step on the lanes no session holds: the live
+    lanes' K/V stay as they were, the checked ones are zero again, and it drafts through the
+    captured step with the windows the serving drafter's sessions left."""
+    first = make_drafter(tiny_config(), seed=5)
+    second = make_drafter(tiny_config(), seed=6)
+    pool = first.new_pool(12, W)
+    live = pool.allocate(5)
+    anchors = fill(first, pool, live, seed=3)
+    before = pool.kv.clone()
+    sibling = pool.sibling(second.model)
+    assert sibling.kv is pool.kv and sibling.model is second.model
+    free = np.flatnonzero(~pool._in_use).astype(np.int64)
+    report = second.prepare_graphs(sibling, 4, replay=CountingReplay, lanes=free)
+    assert report.fallback is None and report.graphs == 6
+    assert torch.equal(pool.kv[:, :, live], before[:, :, live])
+    assert not pool.kv[:, :, free].any()
+    assert pool.allocate(1)[0] == 5  # one lane space: the sibling's allocations are the pool's
+    count = CountingReplay.count
+    got = second.draft(sibling, live[:3], anchors[:3], [1, 2, 3])
+    assert CountingReplay.count == count + 1
+    second.graphs = None
+    assert_same(got, second.draft(sibling, live[:3], anchors[:3], [1, 2, 3]), exact=False)
+    other = make_drafter(tiny_config(num_hidden_layers=1), seed=7)
+    with pytest.raises(ValueError, match=r"ring layout differs: layers 1 \(serving 2\)"):
+        pool.sibling(other.model)
