@@ -24,7 +24,7 @@ from typing import Any, Final
 
 import msgspec
 
-from dspark_client.config import RemoteConfig, RemoteConfigError
+from dspark_client.config import RemoteConfig
 from dspark_client.hello import hello_from_checkpoint
 from protocol import wire
 from protocol.constants import IDENTITY_BYTES, NAME_BYTES
@@ -93,10 +93,12 @@ def parse_options(raw: Any) -> RemoteDSparkOptions:
     client = {k: v for k, v in raw.items() if k in CLIENT_KEYS}
     try:
         remote = RemoteConfig.from_dict(client)
-    except RemoteConfigError as exc:
-        raise _refuse(exc.field, exc.value, str(exc).split(": ", 1)[1]) from None
-    except ValueError as exc:  # a type msgspec refused: its message names the field ($.x)
-        raise ValueError(f"{_WHERE}: {exc}".replace("RemoteConfig: ", "")) from None
+    except ValueError as exc:
+        # RemoteConfig's own words ("RemoteConfig.timeout_ms = -1.0: ...", or msgspec's
+        # "... - at `$.timeout_ms`" for a wrong type), named as the option they came from
+        why = str(exc).removeprefix("RemoteConfig: ")
+        raise ValueError(f"{_WHERE}.{why.removeprefix('RemoteConfig.')}"
+                         if why.startswith("RemoteConfig.") else f"{_WHERE}: {why}") from None
     window = _int(raw, "window", 1, MAX_WINDOW)
     max_slots = _int(raw, "max_slots", 1)
     rows = _int(raw, "max_rows_per_step", 1)

@@ -1,0 +1,68 @@
+"""Tests of the vLLM plugin, against vLLM 0.34's own classes on the CPU (docs/vllm.md).
+
+They need vLLM, which the project's own environment does not have: without it this folder is
+not collected (the rest of the suite runs as ever). ``.ci/run`` builds a venv with vLLM and
+runs this folder there with ``DSPARK_REQUIRE_VLLM=1``, under which a vLLM that does not import
+is an error, not a skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+_ROOT = _HERE.parents[1]
+for _path in (str(_HERE), str(_ROOT)):  # this folder's helpers by name, and tests.support
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+if not HAVE_VLLM and os.environ.get("DSPARK_REQUIRE_VLLM") == "1":
+    raise pytest.UsageError("DSPARK_REQUIRE_VLLM=1 but vllm is not importable in "
+                            f"{sys.executable}")
+collect_ignore_glob = [] if HAVE_VLLM else ["test_*.py"]
+if HAVE_VLLM:
+    # vLLM's modules, imported once here, where their import-time deprecation warnings (torch's
+    # and vLLM's own, nothing of ours) are not the errors the suite makes of warnings.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import vllm.config  # noqa: F401
+        import vllm.plugins  # noqa: F401
+        import vllm.v1.worker.gpu.input_batch  # noqa: F401
+        import vllm.v1.worker.gpu.spec_decode.speculator  # noqa: F401
+
+REFERENCE = _ROOT / "dspark_worker" / "drafter" / "reference"
+
+
+@pytest.fixture(scope="session")
+def drafter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The reference drafter in two forms: ``full`` (config.json and weights, which the worker
+    loads and writes dspark_identity.json beside) and ``host`` (what an engine host needs:
+    config.json and that dspark_identity.json, filled in by the ``worker`` fixture)."""
+    root = tmp_path_factory.mktemp("drafter")
+    full = root / "full"
+    shutil.copytree(REFERENCE, full, ignore=shutil.ignore_patterns("dspark_identity.json"))
+    host = root / "host"
+    host.mkdir()
+    shutil.copy(full / "config.json", host / "config.json")
+    return {"full": full, "host": host}
+
+
+@pytest.fixture(scope="session")
+def worker(drafter_dirs: dict[str, Path]) -> Iterator[object]:
+    """A real dspark-worker serving the reference drafter from the ``full`` folder at W = 16."""
+    from tests.support.worker_proc import start_worker
+
+    full = drafter_dirs["full"]
+    with start_worker("--checkpoint", str(full), "--device", "cpu", "--window", "16",
+                      "--max-slots", "16", "--max-total-slots", "48") as w:
+        shutil.copy(full / "dspark_identity.json", drafter_dirs["host"] / "dspark_identity.json")
+        yield w
