@@ -141,3 +141,45 @@ def test_a_silent_or_dead_worker_gives_empty_drafts_within_the_timeout(
         stats = spec.rounds.client.stats.snapshot()
         assert stats["rounds_failed"] >= 4
         spec.rounds.client.close()
+
+
+def test_tensor_parallel_ranks_share_rank_0s_drafts(worker: Any, drafter_dirs: dict[str, Path],
+                                                    tmp_path: Path) -> None:
+    """Two ranks of a TP-2 engine in vLLM's own distributed setup (gloo on the CPU): only rank
+    0 has a client (one session on the worker), and every step both ranks hold the same drafts
+    and confidences, rank 0's, with the same adaptive-verification flag."""
+    import subprocess
+    import sys
+
+    from tests.client.real_engine import free_port
+
+    def goodbyes() -> int:
+        return int(worker_stats(worker)["totals"]["sessions_dropped"].get("goodbye", 0))
+
+    before = goodbyes()
+    port = str(free_port())
+    script = Path(__file__).with_name("tp_rank.py")
+    outs = [tmp_path / f"rank{r}.npz" for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, worker.endpoint,
+                               str(drafter_dirs["full"]), str(outs[r])],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:  # one rank failing leaves the other waiting for it: end both
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {r}:\n{log[-3000:]}"
+    rank0, rank1 = (np.load(o) for o in outs)
+    assert bool(rank0["driver"]) and bool(rank0["has_client"])
+    assert not bool(rank1["driver"]) and not bool(rank1["has_client"])
+    assert rank0["drafts"].any(axis=2).all(), "rank 0 drafted nothing"
+    assert np.array_equal(rank0["drafts"], rank1["drafts"])
+    assert np.array_equal(rank0["confidence"].view(np.int32), rank1["confidence"].view(np.int32))
+    assert bool(rank0["adaptive"]) and bool(rank1["adaptive"])
+    assert int(rank0["rounds"]) == 3
+    # One session came and went (GOODBYE as the speculator was dropped): rank 1 had none.
+    assert goodbyes() == before + 1
