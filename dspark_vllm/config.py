@@ -40,13 +40,18 @@ def checkpoint_of(spec: SpeculativeConfig) -> str | None:
     return model if isinstance(model, str) and os.path.isdir(model) else None
 
 
-def hello_for(spec: SpeculativeConfig, *, max_slots: int, client_name: str) -> Any:
-    """The HELLO of this engine's drafter (``model``), its options and the served model."""
-    opts = parse_options(spec.speculator_options)
+def drafter_of(spec: SpeculativeConfig) -> str:
+    """The drafter's folder on this host: vLLM's ``model``."""
     if spec.model is None:
         raise ValueError(f"speculative method {METHOD!r} needs model: the drafter's folder on"
                          " this host")
-    return drafter_hello(spec.model, opts, max_slots=max_slots, client_name=client_name,
+    return spec.model
+
+
+def hello_for(spec: SpeculativeConfig, *, max_slots: int, client_name: str) -> Any:
+    """The HELLO of this engine's drafter (``model``), its options and the served model."""
+    opts = parse_options(spec.speculator_options)
+    return drafter_hello(drafter_of(spec), opts, max_slots=max_slots, client_name=client_name,
                          target_hidden_size=spec.target_model_config.get_hidden_size(),
                          draft_topk=spec.dspark_draft_topk,
                          target_checkpoint=checkpoint_of(spec))
@@ -97,7 +102,7 @@ class RemoteDSparkSpeculatorConfig(DSparkSpeculatorConfig):
             raise ValueError(f"{spec.model}/config.json: the drafter's vocabulary is"
                              f" {hello.vocab_size} tokens, the served model's {vocab}; drafts"
                              " are target token ids, so both must use one tokenizer")
-        taps = list(tap_layers(spec.model))
+        taps = list(tap_layers(drafter_of(spec)))
         num_layers = target.get_total_num_hidden_layers()
         bad = [t for t in taps if not -1 <= t < num_layers]
         if bad or len(set(taps)) != len(taps):
@@ -127,7 +132,8 @@ class RemoteDSparkSpeculatorConfig(DSparkSpeculatorConfig):
     def num_lookahead_tokens(self) -> int:
         return 0  # the engine writes no draft KV: nothing to reserve past the query
 
-    def max_num_draft_seqs(self, max_num_batched_tokens: int) -> int | None:
+    # (DFlash narrows the base's "int | None" to int; None is the base's "unlimited")
+    def max_num_draft_seqs(self, max_num_batched_tokens: int) -> int | None:  # type: ignore[override]
         return None  # no draft forward pass on the engine to size the batch by
 
     def hash_factors(self) -> list[Any]:

@@ -122,11 +122,11 @@ def parse_options(raw: Any) -> RemoteDSparkOptions:
                                target_checkpoint=target)
 
 
-def default_client_name(data_parallel_rank: int, host: str | None = None) -> str:
-    """``vllm-dp<rank>@<host>``: stable across restarts of this engine instance (contract 1),
-    distinct per data-parallel rank (each has its own batch, so its own session); the host
-    name is cut to fit the wire's 32 bytes."""
-    prefix = f"vllm-dp{data_parallel_rank}@"
+def default_client_name(tag: str, host: str | None = None) -> str:
+    """``vllm-<tag>@<host>``: stable across restarts of this engine instance (contract 1) and
+    distinct per engine on a host (``tag``: what tells them apart); the host name is cut to fit
+    the wire's 32 bytes."""
+    prefix = f"vllm-{tag}@"
     host = host if host is not None else socket.gethostname()
     room = NAME_BYTES - len(prefix.encode("utf-8"))
     raw = host.encode("utf-8")[:max(room, 0)]

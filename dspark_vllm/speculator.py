@@ -46,7 +46,7 @@ from dspark_client.client import RemoteDraftClient
 from dspark_client.hello import tap_layers
 from dspark_client.rounds import DraftRounds
 
-from .config import hello_for
+from .config import drafter_of, hello_for
 from .options import default_client_name, parse_options
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def tp_group() -> Any:
     exists: a runner built outside vLLM's distributed setup)."""
     from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
 
-    if not model_parallel_is_initialized():
+    if not model_parallel_is_initialized():  # type: ignore[no-untyped-call]  # (vLLM's)
         return None
     group = get_tp_group()
     return group if group.world_size > 1 else None
@@ -199,7 +199,7 @@ class RemoteDSparkSpeculator(BaseSpeculator):
         self.rounds = DraftRounds(client)
         weakref.finalize(self, client.close)  # GOODBYE when the runner drops the speculator
         self._slots = _Slots(self.max_num_reqs, max_slots)
-        taps = list(tap_layers(spec.model))  # (hello_for read the same config.json)
+        taps = list(tap_layers(drafter_of(spec)))  # (hello_for read the same config.json)
         ascending = sorted(taps)
         # vLLM hands the aux hidden states in layer order; the rows take the drafter's order.
         self._aux_order = [ascending.index(t) for t in taps]
@@ -336,10 +336,10 @@ class RemoteDSparkSpeculator(BaseSpeculator):
         # token, for requests that were decoding (the client's acceptance counts).
         decoding = ~np.asarray(batch.is_prefilling_np[:n], bool) & (sampled > 0)
         ours = np.flatnonzero(slots != _NO_SLOT)
-        if len(ours) < n:
-            slots, valid, anchor, anchor_token, wanted, starts, n_query, decoding = (
-                x[ours] for x in (slots, valid, anchor, anchor_token, wanted, starts, n_query,
-                                  decoding))
+        if len(ours) < n:  # requests that found no slot are left out (no drafts)
+            slots, valid, anchor, starts = slots[ours], valid[ours], anchor[ours], starts[ours]
+            anchor_token, wanted, n_query = anchor_token[ours], wanted[ours], n_query[ours]
+            decoding = decoding[ours]
         if decoding.any():
             record_verified(self.rounds, slots[decoding], n_query[decoding] - 1)
         # 2. The newest W verified rows of each request, in request order, as bf16 bytes.

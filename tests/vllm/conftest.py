@@ -34,35 +34,40 @@ if HAVE_VLLM:
     # and vLLM's own, nothing of ours) are not the errors the suite makes of warnings.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import vllm.config  # noqa: F401
-        import vllm.plugins  # noqa: F401
-        import vllm.v1.worker.gpu.input_batch  # noqa: F401
+        import vllm.config
+        import vllm.plugins
+        import vllm.v1.worker.gpu.input_batch
         import vllm.v1.worker.gpu.spec_decode.speculator  # noqa: F401
 
 REFERENCE = _ROOT / "dspark_worker" / "drafter" / "reference"
 
 
 @pytest.fixture(scope="session")
-def drafter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The reference drafter in two forms: ``full`` (config.json and weights, which the worker
-    loads and writes dspark_identity.json beside) and ``host`` (what an engine host needs:
-    config.json and that dspark_identity.json, filled in by the ``worker`` fixture)."""
-    root = tmp_path_factory.mktemp("drafter")
-    full = root / "full"
+def reference_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference drafter (config.json and weights) in a folder the worker may write to."""
+    full = tmp_path_factory.mktemp("drafter") / "full"
     shutil.copytree(REFERENCE, full, ignore=shutil.ignore_patterns("dspark_identity.json"))
-    host = root / "host"
-    host.mkdir()
-    shutil.copy(full / "config.json", host / "config.json")
-    return {"full": full, "host": host}
+    return full
 
 
 @pytest.fixture(scope="session")
-def worker(drafter_dirs: dict[str, Path]) -> Iterator[object]:
-    """A real dspark-worker serving the reference drafter from the ``full`` folder at W = 16."""
+def worker(reference_copy: Path) -> Iterator[object]:
+    """A real dspark-worker serving the reference drafter from ``reference_copy`` at W = 16
+    (it writes dspark_identity.json there as it loads it)."""
     from tests.support.worker_proc import start_worker
 
-    full = drafter_dirs["full"]
-    with start_worker("--checkpoint", str(full), "--device", "cpu", "--window", "16",
+    with start_worker("--checkpoint", str(reference_copy), "--device", "cpu", "--window", "16",
                       "--max-slots", "16", "--max-total-slots", "48") as w:
-        shutil.copy(full / "dspark_identity.json", drafter_dirs["host"] / "dspark_identity.json")
         yield w
+
+
+@pytest.fixture(scope="session")
+def drafter_dirs(worker: object, reference_copy: Path) -> dict[str, Path]:
+    """The reference drafter in two forms: ``full`` (config.json and weights, as the worker
+    loads them) and ``host`` (what an engine host needs: config.json and the
+    dspark_identity.json the worker wrote)."""
+    host = reference_copy.parent / "host"
+    host.mkdir(exist_ok=True)
+    for name in ("config.json", "dspark_identity.json"):
+        shutil.copy(reference_copy / name, host / name)
+    return {"full": reference_copy, "host": host}

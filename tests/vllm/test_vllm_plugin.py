@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_engine import CPU, LAYERS, model_config, speculative_config, target_folder, \
-    vllm_config
+from vllm_engine import CPU, LAYERS, model_config, speculative_config, target_folder, vllm_config
 
 from tests.support.worker_proc import worker_stats
 
@@ -133,13 +132,13 @@ def test_a_drafter_folder_without_identities_is_refused(target: Any, tmp_path: P
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(drafter_dirs["host"] / "config.json", bare / "config.json")
-    with pytest.raises(ValueError, match="neither the drafter's weights .* nor the"
-                                         " dspark_identity.json"):
+    with pytest.raises(ValueError, match=r"neither the drafter's weights .* nor the"
+                                         r" dspark_identity\.json"):
         speculative_config(target, bare)
     (bare / "dspark_identity.json").write_text('{"format": 1, "drafter_identity": "00"}')
     with pytest.raises(ValueError, match="not an identity record the worker wrote"):
         speculative_config(target, bare)
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         speculative_config(target, tmp_path)
 
 
@@ -160,3 +159,32 @@ def test_config_json_and_the_identity_file_are_all_the_engine_host_needs(
     assert client.hello.max_slots == 3 and client.hello.client_name == "host-files"
     assert any(s["max_slots"] == 3 for s in worker_stats(worker)["sessions"])
     client.close()
+
+
+def test_the_readmes_vllm_serve_line_parses_with_vllms_own_arguments(
+        target: Any, drafter_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's one line, through ``vllm serve``'s argument parser, gives a speculative
+    config this plugin takes (its drafter folder is the test's: the README's is a placeholder).
+    The parser's defaults include a DeviceConfig, which needs a device type: no vLLM platform
+    is detected on a machine without an accelerator, so the test names the CPU's."""
+    import re
+    import shlex
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(current_platform, "device_type", "cpu")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## With vLLM"):]
+    line = re.search(r"^vllm serve (.*)$", section, flags=re.M)
+    assert line is not None
+    argv = shlex.split(line.group(1))
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", *argv])
+    raw = dict(args.speculative_config)
+    assert raw["method"] == "remote_dspark" and raw["enable_adaptive_verification"] is True
+    assert raw.pop("model")  # the README's placeholder folder
+    spec = speculative_config(target, drafter_dirs["host"],
+                              **{k: v for k, v in raw.items() if k != "method"})
+    assert spec.custom_method == "remote_dspark"
+    assert spec.speculator_options == raw["speculator_options"]

@@ -13,8 +13,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from vllm_engine import CPU, Engine, model_config, reference_rounds, speculative_config, \
-    target_folder, vllm_config
+from vllm_engine import (
+    CPU,
+    Engine,
+    model_config,
+    reference_rounds,
+    speculative_config,
+    target_folder,
+    vllm_config,
+)
 
 from tests.support.worker_proc import start_worker, worker_stats
 

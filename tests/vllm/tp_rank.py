@@ -20,14 +20,20 @@ def main() -> None:
         import numpy as np
         from vllm.config import set_current_vllm_config
         from vllm.distributed.parallel_state import (
-            initialize_model_parallel,
             init_distributed_environment,
+            initialize_model_parallel,
         )
         from vllm.plugins import load_general_plugins
+        from vllm_engine import (
+            CPU,
+            Engine,
+            model_config,
+            speculative_config,
+            target_folder,
+            vllm_config,
+        )
 
         from dspark_vllm.speculator import RemoteDSparkSpeculator
-        from vllm_engine import CPU, Engine, model_config, speculative_config, target_folder, \
-            vllm_config
 
     load_general_plugins()
     target = model_config(target_folder(Path(out).parent / f"target{rank}"))
