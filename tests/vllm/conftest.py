@@ -24,7 +24,10 @@ for _path in (str(_HERE), str(_ROOT)):  # this folder's helpers by name, and tes
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# (An installed vLLM: where none is, "vllm" still resolves to this folder as a namespace
+# package once tests/ is on sys.path, a spec without an origin.)
+_VLLM = importlib.util.find_spec("vllm")
+HAVE_VLLM = _VLLM is not None and _VLLM.origin is not None
 if not HAVE_VLLM and os.environ.get("DSPARK_REQUIRE_VLLM") == "1":
     raise pytest.UsageError("DSPARK_REQUIRE_VLLM=1 but vllm is not importable in "
                             f"{sys.executable}")

@@ -22,6 +22,7 @@ so every step's drafts can be compared with what the worker drafts for those row
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,12 +37,13 @@ HIDDEN, N_TAPS, VOCAB, LAYERS = 128, 3, 260, 4  # the reference pair's target (c
 CPU = torch.device("cpu")
 
 
-def target_folder(root: Path, *, vocab: int = VOCAB, hidden: int = HIDDEN) -> Path:
+def target_folder(root: Path, *, vocab: int = VOCAB, hidden: int = HIDDEN,
+                  layers: int = LAYERS) -> Path:
     """A Qwen3 target's config.json (vLLM reads no weights to build its configs)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
-        "intermediate_size": 3 * hidden, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+        "intermediate_size": 3 * hidden, "num_hidden_layers": layers, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "vocab_size": vocab,
         "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "tie_word_embeddings": False}))
@@ -97,6 +99,58 @@ class Step:
     ref_drafts: dict[str, np.ndarray] = field(default_factory=dict)  # req -> int32 [k]
     ref_confidence: dict[str, np.ndarray] = field(default_factory=dict)
     seconds: float = 0.0
+
+
+def input_batch(req_ids: list[str], index: np.ndarray, scheduled: np.ndarray,
+                computed: np.ndarray, prompt: np.ndarray, num_tokens_padded: int) -> Any:
+    """vLLM's ``InputBatch`` as ``prepare_inputs`` fills it for requests at request-state
+    ``index`` with ``scheduled`` tokens each after ``computed`` ones (a request with
+    ``computed < prompt`` is prefilling, the others verify ``scheduled - 1`` drafts), padded
+    to ``num_tokens_padded`` tokens as for a CUDA graph."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+    n = len(req_ids)
+    sched = np.asarray(scheduled, np.int32)
+    computed = np.asarray(computed, np.int32)
+    prompt = np.asarray(prompt, np.int32)
+    qsl_np = np.zeros(n + 1, np.int32)
+    np.cumsum(sched, out=qsl_np[1:])
+    T, T_pad = int(qsl_np[-1]), num_tokens_padded
+    positions = torch.zeros(T_pad, dtype=torch.int64)
+    positions[:T] = torch.from_numpy(np.repeat(computed - qsl_np[:-1], sched) + np.arange(T))
+    prefilling = computed < prompt
+    drafts = np.where(prefilling, 0, sched - 1).astype(np.int32)
+    idx_np = np.asarray(index, np.intp)
+    idx = torch.from_numpy(idx_np.astype(np.int64))
+    qsl = torch.from_numpy(qsl_np)
+    return InputBatch(
+        req_ids=list(req_ids), num_reqs=n, num_reqs_after_padding=n, idx_mapping=idx,
+        idx_mapping_np=idx_np, expanded_idx_mapping=idx,
+        expanded_local_pos=torch.zeros(n, dtype=torch.int32), num_scheduled_tokens=sched,
+        num_tokens=T, num_tokens_after_padding=T_pad, num_draft_tokens=int(drafts.sum()),
+        num_draft_tokens_per_req=drafts, query_start_loc=qsl, query_start_loc_np=qsl_np,
+        seq_lens=torch.from_numpy(computed + sched),
+        seq_lens_cpu_upper_bound=torch.from_numpy(computed + sched), dcp_local_seq_lens=None,
+        num_computed_tokens_np=computed, prefill_len_np=prompt,
+        num_computed_prefill_tokens_np=np.minimum(computed, prompt),
+        is_prefilling_np=prefilling, has_prefill=bool(prefilling.any()),
+        decode_graph_eligible=not prefilling.any(),
+        input_ids=torch.zeros(T_pad, dtype=torch.int32), positions=positions,
+        is_padding=torch.arange(T_pad) >= T, logits_indices=qsl[1:] - 1,
+        cu_num_logits=torch.arange(n + 1, dtype=torch.int32),
+        cu_num_logits_np=np.arange(n + 1, dtype=np.int32), has_structured_output_reqs=False,
+        prompt_lens=None)
+
+
+def propose(spec: Any, batch: Any, aux: list[torch.Tensor], sampled: np.ndarray,
+            rejected: np.ndarray, last_sampled: torch.Tensor, next_prefill: torch.Tensor,
+            num_spec: int) -> torch.Tensor:
+    """``propose`` as ``GPUModelRunner.sample_tokens`` calls it (positional, then keywords)."""
+    max_num_reqs = last_sampled.shape[0]
+    return spec.propose(
+        batch, {}, {}, aux[-1], aux, torch.from_numpy(sampled), torch.from_numpy(rejected),
+        last_sampled, next_prefill, torch.zeros(max_num_reqs),
+        torch.zeros(max_num_reqs, dtype=torch.int64), num_speculative_tokens=num_spec)
 
 
 class Engine:
@@ -157,8 +211,6 @@ class Engine:
         """One engine step: per request ``(tokens, accepted)``: a prefill chunk of ``tokens``
         (accepted ignored), or for a decoding request 1 + verified drafts with ``accepted`` of
         them accepted. The batch goes through propose; the reference drafts the same rows."""
-        from vllm.v1.worker.gpu.input_batch import InputBatch
-
         reqs = [self.requests[i] for i in plan]
         n = len(reqs)
         sched = np.array([plan[r.req_id][0] for r in reqs], np.int32)
@@ -166,7 +218,6 @@ class Engine:
         np.cumsum(sched, out=qsl_np[1:])
         T = int(qsl_np[-1])
         T_pad = -(-T // pad_to) * pad_to
-        positions = torch.zeros(T_pad, dtype=torch.int64)
         rows = np.zeros((T_pad, N_TAPS * HIDDEN), np.float32)
         rows[T:] = 9.0  # padding: never a row the worker may see
         sampled = np.zeros(n, np.int32)
@@ -176,7 +227,6 @@ class Engine:
         for i, r in enumerate(reqs):
             tokens, accepted = plan[r.req_id]
             at = np.arange(r.computed, r.computed + tokens)
-            positions[qsl_np[i]:qsl_np[i + 1]] = torch.from_numpy(at)
             if prefilling[i]:
                 if r.computed + tokens > r.prompt:
                     raise ValueError(f"{r.req_id}: a chunk past its prompt")
@@ -199,38 +249,12 @@ class Engine:
             r.last_token = token
         taps = torch.from_numpy(rows).to(torch.bfloat16)
         aux = [taps[:, j * HIDDEN:(j + 1) * HIDDEN].contiguous() for j in range(N_TAPS)]
-        idx_np = np.array([r.index for r in reqs], np.intp)
-        idx = torch.from_numpy(idx_np.astype(np.int64))
-        qsl = torch.from_numpy(qsl_np)
-        computed = np.array([r.computed for r in reqs], np.int32)
-        batch = InputBatch(
-            req_ids=[r.req_id for r in reqs], num_reqs=n, num_reqs_after_padding=n,
-            idx_mapping=idx, idx_mapping_np=idx_np, expanded_idx_mapping=idx,
-            expanded_local_pos=torch.zeros(n, dtype=torch.int32),
-            num_scheduled_tokens=sched, num_tokens=T, num_tokens_after_padding=T_pad,
-            num_draft_tokens=int(np.where(prefilling, 0, sched - 1).sum()),
-            num_draft_tokens_per_req=np.where(prefilling, 0, sched - 1).astype(np.int32),
-            query_start_loc=qsl, query_start_loc_np=qsl_np,
-            seq_lens=torch.from_numpy(computed + sched),
-            seq_lens_cpu_upper_bound=torch.from_numpy(computed + sched),
-            dcp_local_seq_lens=None, num_computed_tokens_np=computed,
-            prefill_len_np=np.array([r.prompt for r in reqs], np.int32),
-            num_computed_prefill_tokens_np=np.minimum(computed, [r.prompt for r in reqs]),
-            is_prefilling_np=prefilling, has_prefill=bool(prefilling.any()),
-            decode_graph_eligible=not prefilling.any(),
-            input_ids=torch.zeros(T_pad, dtype=torch.int32), positions=positions,
-            is_padding=torch.arange(T_pad) >= T, logits_indices=qsl[1:] - 1,
-            cu_num_logits=torch.arange(n + 1, dtype=torch.int32),
-            cu_num_logits_np=np.arange(n + 1, dtype=np.int32),
-            has_structured_output_reqs=False, prompt_lens=None)
-        import time
-
+        batch = input_batch([r.req_id for r in reqs], np.array([r.index for r in reqs]), sched,
+                            np.array([r.computed for r in reqs]),
+                            np.array([r.prompt for r in reqs]), T_pad)
         t0 = time.perf_counter()
-        drafts = self.spec.propose(
-            batch, {}, {}, taps[:, :HIDDEN], aux, torch.from_numpy(sampled),
-            torch.from_numpy(rejected), self.last_sampled, self.next_prefill,
-            torch.zeros(self.max_num_reqs), torch.zeros(self.max_num_reqs, dtype=torch.int64),
-            num_speculative_tokens=self.K)
+        drafts = propose(self.spec, batch, aux, sampled, rejected, self.last_sampled,
+                         self.next_prefill, self.K)
         seconds = time.perf_counter() - t0
         out = Step(req_ids=[r.req_id for r in reqs], drafts=drafts.numpy().copy(),
                    confidence=self.spec.draft_token_confidence_probs[:n].numpy().copy(),
