@@ -51,8 +51,15 @@ def main() -> None:
         warnings.simplefilter("ignore")
         import torch
         from vllm.plugins import load_general_plugins
-        from vllm_engine import CPU, input_batch, model_config, propose, speculative_config, \
-            target_folder, vllm_config
+        from vllm_engine import (
+            CPU,
+            input_batch,
+            model_config,
+            propose,
+            speculative_config,
+            target_folder,
+            vllm_config,
+        )
 
         from dspark_vllm.speculator import RemoteDSparkSpeculator
     load_general_plugins()
