@@ -50,7 +50,7 @@ from .config import drafter_of, hello_for
 from .options import default_client_name, parse_options
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import SpeculativeConfig, VllmConfig
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.dp_utils import DPSyncState
     from vllm.v1.worker.gpu.input_batch import InputBatch
@@ -180,16 +180,15 @@ class RemoteDSparkSpeculator(BaseSpeculator):
         self._error_logged = -float("inf")
         self.enable_adaptive_verification = bool(spec.enable_adaptive_verification)
         if self.is_driver:
-            self._start_client(vllm_config, device)
+            self._start_client(spec, vllm_config, device)
         if self._tp is not None and self.enable_adaptive_verification:
             # Every rank must build the same verification: rank 0's view of the worker wins.
             self.enable_adaptive_verification = bool(self._tp.broadcast_object(
                 self.enable_adaptive_verification, src=0))
 
     # -- rank 0's client ------------------------------------------------------------------------
-    def _start_client(self, vllm_config: VllmConfig, device: torch.device) -> None:
-        spec = vllm_config.speculative_config
-        assert spec is not None  # (checked by __init__)
+    def _start_client(self, spec: SpeculativeConfig, vllm_config: VllmConfig,
+                      device: torch.device) -> None:
         opts = parse_options(spec.speculator_options)
         max_slots = min(opts.max_slots or self.max_num_reqs, self.max_num_reqs)
         name = opts.client_name or default_client_name(
