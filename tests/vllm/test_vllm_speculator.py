@@ -190,3 +190,50 @@ def test_tensor_parallel_ranks_share_rank_0s_drafts(worker: Any, drafter_dirs: d
     assert int(rank0["rounds"]) == 3
     # One session came and went (GOODBYE as the speculator was dropped): rank 1 had none.
     assert goodbyes() == before + 1
+
+
+def test_requests_beyond_max_slots_are_served_without_drafts(
+        worker: Any, target: Any, drafter_dirs: dict[str, Path]) -> None:
+    """Two slots for three requests: the third gets no drafts (and sends nothing) until a
+    slot is free; then its request-state index takes one, as a new generation."""
+    spec = make_speculator(target, drafter_dirs["host"], worker.endpoint, max_slots=2)
+    ref = reference_rounds(drafter_dirs["full"], worker.endpoint, window=W, max_slots=16)
+    eng = Engine(spec, max_num_reqs=MAX_REQS, num_spec=K, window=W, reference=ref)
+    for name in "abc":
+        eng.admit(name, 9)
+    step = eng.step({"a": (9, 0), "b": (9, 0), "c": (9, 0)})
+    assert step.drafts[:2].any(axis=1).all() and not step.drafts[2].any()
+    assert spec._slots.refused == 1
+    for i in (0, 1):  # the two with slots draft what the worker drafts for their rows
+        assert step.drafts[i].tolist() == step.ref_drafts[step.req_ids[i]].tolist()
+    eng.finish("a")
+    eng.finish("c")  # c never had a slot: nothing to release
+    eng.admit("d", 5)  # a's slot is free again
+    again = eng.step({"b": (8, 2), "d": (5, 0)})
+    assert again.drafts.any(axis=1).all()
+    assert again.drafts[1].tolist() == again.ref_drafts["d"].tolist()
+    spec.rounds.client.close()
+    ref.client.close()
+
+
+@pytest.mark.parametrize(("has_confidence", "adaptive"), [(False, False), (None, True),
+                                                          (True, True)])
+def test_a_drafter_without_confidence_turns_adaptive_verification_off(
+        worker: Any, target: Any, drafter_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+        has_confidence: bool | None, adaptive: bool) -> None:
+    """What the client reports of the worker's drafter (``has_confidence``: False for a
+    drafter without a confidence head, None while no HELLO was accepted) decides whether the
+    speculator keeps vLLM's adaptive verification, which it reads as the effective flag.
+    The worker here has a confidence head; the report is set on the client class, as a
+    client that knows the capability gives it."""
+    from dspark_client import RemoteDraftClient
+    from dspark_vllm.speculator import RemoteDSparkSpeculator
+
+    monkeypatch.setattr(RemoteDraftClient, "has_confidence", has_confidence, raising=False)
+    spec = speculative_config(target, drafter_dirs["host"], speculator_options={
+        "endpoint": worker.endpoint, "window": W})
+    config = vllm_config(target, spec, max_num_seqs=2)
+    spec.enable_adaptive_verification = True  # (vLLM refuses it without CUDA graphs)
+    speculator = RemoteDSparkSpeculator(config, CPU)
+    assert speculator.enable_adaptive_verification is adaptive
+    speculator.rounds.client.close()
