@@ -12,7 +12,8 @@ Two groups of keys (docs/vllm.md has the table):
 
 The drafter is vLLM's ``model``: a folder on the engine host with the drafter's ``config.json``
 (taps, N, vocabulary, hidden size) and either its weights or the ``dspark_identity.json`` the
-worker writes beside them (its identities, contract 6.4), nothing else.
+worker writes beside them (its identities, contract 6.4), nothing else; with
+``follow_drafter`` (the worker's newest drafter, contract 6.5) config.json alone.
 """
 
 from __future__ import annotations
@@ -175,10 +176,15 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
     identities = None
     if not _has_weights(path):
         identities = recorded_identities(path)
+        if identities is None and opts.remote.follow_drafter:
+            # Following the worker's drafter (6.5), the HELLO names no identities.
+            identities = (bytes(IDENTITY_BYTES), bytes(IDENTITY_BYTES))
         if identities is None:
             raise ValueError(f"{path}: neither the drafter's weights (*.safetensors) nor the"
                              f" {IDENTITY_FILE} the worker writes beside them; copy one of"
-                             " them next to config.json (the HELLO carries the identities)")
+                             " them next to config.json (the HELLO carries the identities),"
+                             " or set speculator_options.follow_drafter to draft with"
+                             " whichever drafter of this geometry the worker serves")
     kwargs: dict[str, Any] = {
         "window": opts.window, "max_slots": max_slots,
         "max_rows_per_step": opts.max_rows_per_step, "client_name": client_name,

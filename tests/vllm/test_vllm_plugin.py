@@ -188,3 +188,22 @@ def test_the_readmes_vllm_serve_line_parses_with_vllms_own_arguments(
                               **{k: v for k, v in raw.items() if k != "method"})
     assert spec.custom_method == "remote_dspark"
     assert spec.speculator_options == raw["speculator_options"]
+
+
+def test_following_the_workers_drafter_needs_config_json_alone(
+        target: Any, tmp_path: Path, drafter_dirs: dict[str, Path], worker: Any) -> None:
+    """With ``follow_drafter`` the HELLO names no identities (contract 6.5): config.json alone
+    gives the geometry, and the worker takes the session."""
+    from dspark_vllm.speculator import RemoteDSparkSpeculator
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(drafter_dirs["host"] / "config.json", bare / "config.json")
+    spec = speculative_config(target, bare, speculator_options={
+        "endpoint": worker.endpoint, "window": 16, "follow_drafter": True,
+        "client_name": "follower"})
+    speculator = RemoteDSparkSpeculator(vllm_config(target, spec, max_num_seqs=2), CPU)
+    client = speculator.rounds.client
+    assert client.ready, client.last_error
+    assert client.follows
+    client.close()
