@@ -135,7 +135,8 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
                           max_rows_per_step: int | None = None, sampled: bool = False,
                           client_name: str = "", target_checkpoint: str | Path | None = None,
                           target_hidden_size: int | None = None,
-                          draft_topk: int | None = None, synthetic: bool = False) -> wire.Hello:
+                          draft_topk: int | None = None, synthetic: bool = False,
+                          identities: tuple[bytes, bytes] | None = None) -> wire.Hello:
     """A Hello for the drafter in ``checkpoint``.
 
     window / max_slots: what the engine will use (the worker must serve this W and at least
@@ -147,7 +148,9 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
     draft_topk: the candidate walk the worker runs (vLLM's ``dspark_draft_topk``; None: the
     checkpoint config's, else none); it enters the Markov identity (6.4). synthetic: the rows
     will be made up (a benchmark): the HELLO says so (``HF_SYNTHETIC``) and the worker keeps the
-    session out of its acceptance figures."""
+    session out of its acceptance figures. identities: the (drafter, Markov) identities when
+    the caller has them without the weights (a worker's ``dspark_identity.json`` copied to the
+    engine host); None: from the checkpoint's files."""
     path = Path(checkpoint)
     cfg, cfg_path = _read_config(path)
     num_spec, vocab, taps, config_hidden = _geometry(cfg, cfg_path)
@@ -155,7 +158,7 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
         raise ValueError(f"{cfg_path}: none of target_hidden_size, hidden_size is set")
     hidden = target_hidden_size or int(cast(int, config_hidden))
     n_taps = len(taps)
-    drafter_id, markov_id = identities_from_checkpoint(path, target_checkpoint)
+    drafter_id, markov_id = identities or identities_from_checkpoint(path, target_checkpoint)
     if draft_topk is None:
         draft_topk = cfg.get("dspark_draft_topk") or 0
     markov_id = markov_walk_identity(markov_id, int(draft_topk))

@@ -1,7 +1,9 @@
 """Import rules of the house (STYLE.md): ``protocol`` is pure (numpy + msgspec, no sockets,
 threads, clocks or torch) and imports neither other package; ``dspark_client`` and
-``dspark_worker`` never import each other. Checked on the source (AST) and, for torch, by
-importing ``protocol`` in a fresh interpreter."""
+``dspark_worker`` never import each other; the vLLM plugin ``dspark_vllm`` builds on the
+client (never the worker), nothing else imports it, and loading it as vLLM's plugin imports
+neither vLLM nor torch. Checked on the source (AST) and, for torch, by importing in a fresh
+interpreter."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # I/O, concurrency and clocks belong to the worker and the client, never to the contract.
 PROTOCOL_FORBIDDEN = {"socket", "asyncio", "threading", "time", "torch", "select", "selectors",
-                      "multiprocessing", "subprocess", "dspark_worker", "dspark_client"}
+                      "multiprocessing", "subprocess", "dspark_worker", "dspark_client",
+                      "dspark_vllm"}
 
 
 def sources(package: str) -> list[Path]:
@@ -96,6 +99,51 @@ def test_client_and_worker_never_import_each_other(package: str, other: str) -> 
                                                   if m.split(".")[0] == other)
                  for p in files}
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+@pytest.mark.parametrize("package", ["dspark_client", "dspark_worker"])
+def test_nothing_imports_the_vllm_plugin(package: str) -> None:
+    """``dspark_vllm`` is imported only inside vLLM (its plugin loader)."""
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p)
+                                                  if m.split(".")[0] == "dspark_vllm")
+                 for p in sources(package)}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_vllm_plugin_builds_on_the_client_never_the_worker() -> None:
+    files = sources("dspark_vllm")
+    assert {"__init__.py", "config.py", "options.py", "speculator.py"} <= {p.name for p in files}
+    used = set().union(*(top_level(imported_modules(p)) for p in files))
+    assert "dspark_worker" not in used
+    assert {"dspark_client", "protocol", "vllm", "torch"} <= used
+    # vLLM imports speculator configs in every process: they must not import the speculator
+    # (nor torch themselves), as vLLM's own config modules do not (speculator_config.py).
+    for name in ("config.py", "options.py"):
+        modules = imported_modules(ROOT / "dspark_vllm" / name)
+        assert not {m for m in modules if m.startswith("dspark_vllm.speculator")}, name
+        assert "torch" not in top_level(modules), name
+    assert top_level(imported_modules(ROOT / "dspark_vllm" / "options.py")) <= {
+        "__future__", "json", "socket", "pathlib", "typing", "msgspec", "dspark_client",
+        "protocol"}
+
+
+PLUGIN_PROBE = """
+import importlib.metadata, json, sys
+import dspark_vllm
+print(json.dumps({"modules": sorted(sys.modules), "register": callable(dspark_vllm.register)}))
+"""
+
+
+def test_loading_the_vllm_plugin_imports_neither_vllm_nor_torch() -> None:
+    """What vLLM's loader imports in every process is the entry point's module alone: the
+    method is registered by qualified name, so vLLM resolves the config when it needs it."""
+    out = subprocess.run([sys.executable, "-c", PLUGIN_PROBE], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["register"]
+    loaded = {m.split(".")[0] for m in result["modules"]}
+    assert not loaded & {"torch", "vllm", "dspark_worker", "dspark_client", "numpy"}
 
 
 PROBE = """

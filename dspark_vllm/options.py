@@ -1,0 +1,202 @@
+"""``remote_dspark``'s ``speculator_options``: checked once when vLLM builds its speculative
+config, read again in each GPU worker process (the dict travels with the config). Imports
+neither vLLM nor torch, so every refusal is testable on its own.
+
+Two groups of keys (docs/vllm.md has the table):
+
+* the client's: every ``RemoteConfig`` field but ``auth_secret`` (a secret on a command line is
+  visible to every user of the host; ``auth_secret_file`` names a file instead), with
+  ``RemoteConfig``'s defaults and checks;
+* the HELLO's: ``window``, ``max_slots``, ``max_rows_per_step``, ``client_name`` and
+  ``target_checkpoint``, as ``hello_from_checkpoint`` takes them.
+
+The drafter is vLLM's ``model``: a folder on the engine host with the drafter's ``config.json``
+(taps, N, vocabulary, hidden size) and either its weights or the ``dspark_identity.json`` the
+worker writes beside them (its identities, contract 6.4), nothing else; with
+``follow_drafter`` (the worker's newest drafter, contract 6.5) config.json alone.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from dspark_client.config import RemoteConfig
+from dspark_client.hello import hello_from_checkpoint
+from protocol import wire
+from protocol.constants import IDENTITY_BYTES, NAME_BYTES
+from protocol.identity import (
+    IDENTITY_FILE,
+    IDENTITY_FILE_FORMAT,
+    SafetensorsError,
+    checkpoint_files,
+)
+
+__all__ = ["CLIENT_KEYS", "DEFAULT_WINDOW", "HELLO_KEYS", "RemoteDSparkOptions",
+           "default_client_name", "drafter_hello", "parse_options", "recorded_identities"]
+
+# The worker's default --window: a client left at its default HELLOs a worker left at its own.
+DEFAULT_WINDOW: Final = 1024
+# The wire's window field is a u16 (contract 6.1).
+MAX_WINDOW: Final = 0xFFFF
+# RemoteConfig's fields, less the inline secret (see the module docstring).
+CLIENT_KEYS: Final = frozenset(f.name for f in msgspec.structs.fields(RemoteConfig)) - {
+    "auth_secret"}
+HELLO_KEYS: Final = frozenset({"window", "max_slots", "max_rows_per_step", "client_name",
+                               "target_checkpoint"})
+_WHERE: Final = "speculative_config.speculator_options"
+
+
+class RemoteDSparkOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """The options as checked: the client's config and the HELLO's fields (None: default)."""
+
+    remote: RemoteConfig
+    window: int = DEFAULT_WINDOW
+    max_slots: int | None = None
+    max_rows_per_step: int | None = None
+    client_name: str | None = None
+    target_checkpoint: str | None = None
+
+
+def _refuse(key: str, value: object, why: str) -> ValueError:
+    return ValueError(f"{_WHERE}.{key} = {value!r}: {why}")
+
+
+def _int(raw: dict[str, Any], key: str, low: int, high: int | None = None) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _refuse(key, value, "must be an integer")
+    if value < low or (high is not None and value > high):
+        raise _refuse(key, value, f"must be in [{low}, {high}]" if high is not None
+                      else f"must be at least {low}")
+    return value
+
+
+def parse_options(raw: Any) -> RemoteDSparkOptions:
+    """``speculator_options`` (a dict, or None for every default) checked: an unknown key, a
+    value of the wrong type or out of range is a ValueError naming the key and the value."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{_WHERE} must be a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - CLIENT_KEYS - HELLO_KEYS)
+    if unknown:
+        hint = (" (give the secret in a file: auth_secret_file)" if "auth_secret" in unknown
+                else "")
+        raise ValueError(f"{_WHERE}: unknown option {unknown[0]!r}{hint}; the options are "
+                         f"{', '.join(sorted(CLIENT_KEYS | HELLO_KEYS))}")
+    client = {k: v for k, v in raw.items() if k in CLIENT_KEYS}
+    try:
+        remote = RemoteConfig.from_dict(client)
+    except ValueError as exc:
+        # RemoteConfig's own words ("RemoteConfig.timeout_ms = -1.0: ...", or msgspec's
+        # "... - at `$.timeout_ms`" for a wrong type), named as the option they came from
+        why = str(exc).removeprefix("RemoteConfig: ")
+        raise ValueError(f"{_WHERE}.{why.removeprefix('RemoteConfig.')}"
+                         if why.startswith("RemoteConfig.") else f"{_WHERE}: {why}") from None
+    window = _int(raw, "window", 1, MAX_WINDOW)
+    max_slots = _int(raw, "max_slots", 1)
+    rows = _int(raw, "max_rows_per_step", 1)
+    if rows is not None and rows < (window or DEFAULT_WINDOW):
+        raise _refuse("max_rows_per_step", rows,
+                      f"must be at least the window ({window or DEFAULT_WINDOW}): one slot's"
+                      " resync is W rows")
+    name = raw.get("client_name")
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise _refuse("client_name", name, "must be a non-empty string")
+        size = len(name.encode("utf-8"))
+        if size > NAME_BYTES:
+            raise _refuse("client_name", name,
+                          f"is {size} bytes in UTF-8, more than {NAME_BYTES}")
+    target = raw.get("target_checkpoint")
+    if target is not None and (not isinstance(target, str) or not target):
+        raise _refuse("target_checkpoint", target, "must be a path")
+    return RemoteDSparkOptions(remote=remote, window=window or DEFAULT_WINDOW,
+                               max_slots=max_slots, max_rows_per_step=rows, client_name=name,
+                               target_checkpoint=target)
+
+
+def default_client_name(tag: str, host: str | None = None) -> str:
+    """``vllm-<tag>@<host>``: stable across restarts of this engine instance (contract 1) and
+    distinct per engine on a host (``tag``: what tells them apart); the host name is cut to fit
+    the wire's 32 bytes."""
+    prefix = f"vllm-{tag}@"
+    host = host if host is not None else socket.gethostname()
+    room = NAME_BYTES - len(prefix.encode("utf-8"))
+    raw = host.encode("utf-8")[:max(room, 0)]
+    return prefix + raw.decode("utf-8", errors="ignore")
+
+
+def recorded_identities(drafter: str | Path) -> tuple[bytes, bytes] | None:
+    """The identities in the ``dspark_identity.json`` beside ``drafter``, as the worker wrote
+    them when it loaded the weights, taken as they are: this host has no weights to check them
+    against, and a stale record only makes the worker refuse the HELLO (ST_IDENTITY). None when
+    there is no such file; a file that is not such a record is an error."""
+    path = Path(drafter) / IDENTITY_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(record, dict) or record.get("format") != IDENTITY_FILE_FORMAT:
+            raise ValueError(f"not format {IDENTITY_FILE_FORMAT}")
+        ids = tuple(bytes.fromhex(record[k]) for k in ("drafter_identity", "markov_identity"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not an identity record the worker wrote ({exc})") from None
+    if any(len(i) != IDENTITY_BYTES for i in ids):
+        raise ValueError(f"{path}: identities must be {IDENTITY_BYTES} bytes each")
+    return ids[0], ids[1]
+
+
+def _has_weights(drafter: Path) -> bool:
+    try:
+        return bool(checkpoint_files(drafter))
+    except SafetensorsError:
+        return False
+
+
+def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: int,
+                  client_name: str, target_hidden_size: int, draft_topk: int | None = None,
+                  target_checkpoint: str | Path | None = None) -> wire.Hello:
+    """The HELLO for the drafter folder ``drafter`` on this host: geometry from its
+    ``config.json``; identities from its weights (or a current ``dspark_identity.json`` beside
+    them), else from the ``dspark_identity.json`` alone. The hidden size is the served
+    model's; a drafter config that names another is refused here, not by the worker."""
+    path = Path(drafter)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json; remote_dspark's model is the drafter's"
+                         " folder on this host (its config.json, and its weights or the"
+                         f" {IDENTITY_FILE} the worker writes beside them)")
+    identities = None
+    if not _has_weights(path):
+        identities = recorded_identities(path)
+        if identities is None and opts.remote.follow_drafter:
+            # Following the worker's drafter (6.5), the HELLO names no identities.
+            identities = (bytes(IDENTITY_BYTES), bytes(IDENTITY_BYTES))
+        if identities is None:
+            raise ValueError(f"{path}: neither the drafter's weights (*.safetensors) nor the"
+                             f" {IDENTITY_FILE} the worker writes beside them; copy one of"
+                             " them next to config.json (the HELLO carries the identities),"
+                             " or set speculator_options.follow_drafter to draft with"
+                             " whichever drafter of this geometry the worker serves")
+    kwargs: dict[str, Any] = {
+        "window": opts.window, "max_slots": max_slots,
+        "max_rows_per_step": opts.max_rows_per_step, "client_name": client_name,
+        "target_checkpoint": opts.target_checkpoint or target_checkpoint,
+        "draft_topk": draft_topk, "identities": identities}
+    try:
+        hello = hello_from_checkpoint(path, **kwargs)
+    except ValueError as exc:
+        if "target_hidden_size, hidden_size" not in str(exc):
+            raise
+        hello = hello_from_checkpoint(path, target_hidden_size=target_hidden_size, **kwargs)
+    if hello.hidden != target_hidden_size:
+        raise ValueError(f"{path}/config.json drafts for a target of hidden size"
+                         f" {hello.hidden}; the served model's is {target_hidden_size}")
+    return hello
