@@ -218,10 +218,9 @@ class RemoteDSparkSpeculator(BaseSpeculator):
 
     def _worker_lacks_confidence(self) -> bool:
         """Whether the worker said its drafter has no confidence head (a DFlash drafter): the
-        client's ``has_confidence`` (None until a HELLO is accepted); a client without it
-        predates such drafters, whose every worker has one."""
+        client's ``has_confidence`` (None until a HELLO is accepted)."""
         assert self.rounds is not None
-        return getattr(self.rounds.client, "has_confidence", True) is False
+        return self.rounds.client.has_confidence is False
 
     # -- the runner's interface -----------------------------------------------------------------
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:

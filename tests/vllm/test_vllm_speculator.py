@@ -224,12 +224,12 @@ def test_a_drafter_without_confidence_turns_adaptive_verification_off(
     """What the client reports of the worker's drafter (``has_confidence``: False for a
     drafter without a confidence head, None while no HELLO was accepted) decides whether the
     speculator keeps vLLM's adaptive verification, which it reads as the effective flag.
-    The worker here has a confidence head; the report is set on the client class, as a
-    client that knows the capability gives it."""
+    The worker here has a confidence head; the report is set on the client class (a real
+    head-less worker: tests/client/test_client_confidence.py)."""
     from dspark_client import RemoteDraftClient
     from dspark_vllm.speculator import RemoteDSparkSpeculator
 
-    monkeypatch.setattr(RemoteDraftClient, "has_confidence", has_confidence, raising=False)
+    monkeypatch.setattr(RemoteDraftClient, "has_confidence", has_confidence)
     spec = speculative_config(target, drafter_dirs["host"], speculator_options={
         "endpoint": worker.endpoint, "window": W})
     config = vllm_config(target, spec, max_num_seqs=2)
