@@ -119,13 +119,19 @@ def by_position(samples: dict[Any, float], name: str, n: int, **labels: str) -> 
     return [get(samples, name, position=str(j), **labels) for j in range(n)]
 
 
+def engine_client(endpoint: str, name: str, max_slots: int,
+                  rows_per_step: int = 256) -> tuple[wire.Hello, dc.RemoteDraftClient]:
+    """An engine's HELLO for the reference drafter (W 64) and its client of ``endpoint``."""
+    hello = dc.hello_from_checkpoint(DRAFTER, window=64, max_slots=max_slots, client_name=name,
+                                     max_rows_per_step=rows_per_step)
+    return hello, dc.RemoteDraftClient(dc.RemoteConfig(endpoint=endpoint, timeout_ms=10_000,
+                                                       backoff_ms=10), hello)
+
+
 def test_both_sides_count_exactly_what_a_known_engine_accepted(worker: WorkerProcess) -> None:
     assert worker.endpoint is not None
-    hello = dc.hello_from_checkpoint(DRAFTER, window=64, max_slots=4, client_name="acceptance",
-                                     max_rows_per_step=256)
+    hello, client = engine_client(worker.endpoint, "acceptance", 4)
     n = hello.num_spec
-    client = dc.RemoteDraftClient(dc.RemoteConfig(endpoint=worker.endpoint, timeout_ms=10_000,
-                                                  backoff_ms=10), hello)
     registry = CollectorRegistry()
     registry.register(dc.prometheus_collector(client))
     before = scrape_worker(worker)
@@ -266,11 +272,8 @@ def test_a_bench_beside_an_engine_leaves_the_workers_acceptance_as_it_was(
     STATS totals), while the engine's keep counting. Without the flag the bench's rounds (each
     accepting ``--accept`` drafts) would be judged blocks like the engine's."""
     assert worker.endpoint is not None
-    hello = dc.hello_from_checkpoint(DRAFTER, window=64, max_slots=2, client_name="beside-bench",
-                                     max_rows_per_step=256)
+    hello, client = engine_client(worker.endpoint, "beside-bench", 2)
     n = hello.num_spec
-    client = dc.RemoteDraftClient(dc.RemoteConfig(endpoint=worker.endpoint, timeout_ms=10_000,
-                                                  backoff_ms=10), hello)
     q = "dspark_worker_acceptance_"
 
     def figures() -> tuple[float, list[float], list[float], dict[str, Any]]:
@@ -324,10 +327,7 @@ def test_one_session_moves_the_totals_but_not_the_median_session() -> None:
         assert w.endpoint is not None
         clients, engines = [], []
         for name in ("honest-a", "honest-b", "honest-c", "broken"):
-            hello = dc.hello_from_checkpoint(DRAFTER, window=64, max_slots=2,
-                                             client_name=name, max_rows_per_step=128)
-            c = dc.RemoteDraftClient(dc.RemoteConfig(endpoint=w.endpoint, timeout_ms=10_000),
-                                     hello)
+            hello, c = engine_client(w.endpoint, name, 2, rows_per_step=128)
             clients.append(c)
             assert c.wait_ready(30.0), c.last_error
             eng = KnownEngine(dc.DraftRounds(c), hello.row_bytes, hello.num_spec)
