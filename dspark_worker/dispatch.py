@@ -174,6 +174,9 @@ AUTH_WINDOW_S = 60.0
 # A STATS body for connections without a session is reused for this long at most (while no
 # other frame came): a peer pipelining STATS gets the same bytes, not a fresh JSON each time.
 STATS_CACHE_S = 0.25
+# ... and rebuilt at most this often while engines step (each STEP changes it): a body costs
+# about a millisecond, so strangers' STATS cost at most 2% of the loop however many ask.
+STATS_REBUILD_S = 0.05
 
 Buffer = bytes | bytearray | memoryview
 
@@ -749,7 +752,9 @@ class Dispatcher:
         now = self.clock()
         key = (self.state_version, self.draining, self.ready)
         cached = self._stats_cache
-        if cached is None or cached[0] != key or now - cached[1] >= STATS_CACHE_S:
+        age = now - cached[1] if cached is not None else STATS_CACHE_S
+        if cached is None or age >= STATS_CACHE_S or (cached[0] != key
+                                                       and age >= STATS_REBUILD_S):
             cached = self._stats_cache = (key, now, msgspec.json.encode(self.stats()))
         return self._ok(h, cached[2])
 

@@ -45,11 +45,12 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from protocol.constants import MAGIC, OP_GOODBYE, OP_RESET, OP_SHM_ATTACH, OP_STEP
+from protocol.constants import MAGIC, OP_GOODBYE, OP_HELLO, OP_RESET, OP_SHM_ATTACH, OP_STEP
 from protocol.errors import FrameHeaderError, FrameTooLargeError
 from protocol.framing import Frame, FrameDecoder
 from protocol.header import AppHeader
 
+from .admission import HELLO, OTHER, Gate
 from .buffers import BufferPool
 from .config import (
     DEFAULT_CONNECTION_IDLE_S,
@@ -80,11 +81,10 @@ SESSION_OPS = frozenset({OP_STEP, OP_RESET, OP_GOODBYE, OP_SHM_ATTACH})
 # turn (and reading pauses meanwhile): a peer pipelining thousands of cheap frames in one
 # receive cannot hold the loop while other connections and new ones wait.
 FRAMES_PER_TURN = 4
-# A connection without a session (PING, STATS, HELLO attempts) is answered at most this many
-# frames per second after a burst: a health checker or a tool sends a few, a peer that sends
-# more waits (with reading paused), so floods of them cannot take the loop from the engines.
-SESSIONLESS_FRAMES_PER_S = 100.0
-SESSIONLESS_BURST = 32
+# A connection without a session that leaves this much of its replies unread (they wait in
+# the worker, the kernel's buffers being full) is closed: a peer that sends and never reads
+# would otherwise hold answers nobody takes.
+SESSIONLESS_UNREAD_BYTES = 64 << 10
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -114,8 +114,8 @@ class Connection(asyncio.BufferedProtocol):
         self.read_paused = False
         self.write_paused = False
         self._pump_soon = False  # a _pump is scheduled for the next loop turn
-        self._tokens = float(SESSIONLESS_BURST)  # frames answered while without a session
-        self._tokens_at = time.monotonic()
+        self._admitted = False  # the gate took a token for the next frame (no session here)
+        self.answered = 0  # frames the gate let through while without a session
         self._reply_buf: bytearray | None = None
         self._partial_since: float | None = None
         self._partial_timer: asyncio.TimerHandle | None = None
@@ -210,6 +210,7 @@ class Connection(asyncio.BufferedProtocol):
             f, _ = self.pending.popleft()
             self.server.buffers.release(f.storage)
         self.shm.close()  # unmapped now, or as the in-flight STEP's rows view goes
+        self.server.gate.forget(self.peer_host, self)
         self.server.unregister(self, self.close_reason if exc is None else "error")
 
     def pause_writing(self) -> None:
@@ -296,11 +297,8 @@ class Connection(asyncio.BufferedProtocol):
                 self._pump_soon = True
                 asyncio.get_running_loop().call_soon(self._pump_later)
                 break
-            wait = 0.0 if self.has_session else self._take_token()
-            if wait > 0:  # a connection without a session past its rate: later
-                self._pump_soon = True
-                asyncio.get_running_loop().call_later(wait, self._pump_later)
-                break
+            if not self.has_session and not self._admit(self.pending[0][0]):
+                break  # its peer's or the worker's rate for strangers: the gate calls back
             budget -= 1
             fr, t_arrival = self.pending.popleft()
             reply = self.dispatcher.handle(self, fr, t_arrival)
@@ -320,18 +318,26 @@ class Connection(asyncio.BufferedProtocol):
             self.read_paused = False
             self.transport.resume_reading()
 
-    def _take_token(self) -> float:
-        """Token bucket of a connection without a session: 0 and one token taken, or the
-        seconds until the next one."""
-        now = time.monotonic()
-        tokens = min(float(SESSIONLESS_BURST),
-                     self._tokens + (now - self._tokens_at) * SESSIONLESS_FRAMES_PER_S)
-        self._tokens_at = now
-        if tokens >= 1.0:
-            self._tokens = tokens - 1.0
-            return 0.0
-        self._tokens = tokens
-        return (1.0 - tokens) / SESSIONLESS_FRAMES_PER_S
+    def _admit(self, fr: Frame) -> bool:
+        """A frame of a connection without a session, through the gate (admission.py). False:
+        it waits; ``admitted`` pumps again once its turn has come."""
+        if self._admitted:
+            self._admitted = False
+            return True
+        if self.transport is not None and \
+                self.transport.get_write_buffer_size() > SESSIONLESS_UNREAD_BYTES:
+            self.server.bad_stream(self, "unread", f"{self.transport.get_write_buffer_size()}"
+                                   " bytes of replies not read")
+            self._close("unread")
+            return False
+        kind = HELLO if fr.header.op == OP_HELLO else OTHER
+        return self.server.gate.admit(self.peer_host, kind, self)
+
+    def admitted(self) -> None:
+        self._admitted = True
+        if not self._pump_soon:
+            self._pump_soon = True
+            asyncio.get_running_loop().call_soon(self._pump_later)
 
     def _pump_later(self) -> None:
         if self._pump_soon:
@@ -498,6 +504,8 @@ class WorkerServer:
         self._servers: list[asyncio.AbstractServer] = []
         self._log = RateLimitedLog(log)
         self._sweeper: asyncio.Task[None] | None = None
+        self.gate = Gate(on_wait=lambda kind, limit: metrics.stranger_waits.labels(
+            kind=kind, limit=limit).inc())
         dispatcher.connected = lambda conn_id: conn_id in self.connections
         dispatcher.session_left = self._session_left
 
@@ -576,22 +584,26 @@ class WorkerServer:
 
     def _make_room(self, conn: Connection) -> None:
         """Connections without a session go first (section 11): a new connection from a peer
-        that holds ``MAX_SESSIONLESS_PER_PEER`` of them closes that peer's oldest, and at the
-        connection limit a new one closes the oldest of all; so PINGs that keep idle
-        connections open cannot keep an engine out. Connections that hold a session, or have
-        a STEP with the runner, are never pushed out."""
-        # (Frames waiting on such a connection do not protect it: a peer that pipelines PINGs
-        # past its rate always has some.)
+        that holds ``MAX_SESSIONLESS_PER_PEER`` of them closes one of those, and at the
+        connection limit a new one closes one of all; so PINGs that keep idle connections open
+        cannot keep an engine out. The one closed has the most frames waiting unanswered (a
+        peer pipelining past its rate), the oldest among equals: a health checker's single
+        PING outlives a flood's bursts. Connections that hold a session, or have a STEP with
+        the runner, are never pushed out."""
         idle = [c for c in self.connections.values()
                 if not c.closing and not c.busy and not c.has_session]
         mine = [c for c in idle if c.peer_host == conn.peer_host]
         victim: Connection | None = None
+
+        def greediest(c: Connection) -> tuple[int, int]:
+            return -len(c.pending), c.conn_id
+
         if len(mine) >= MAX_SESSIONLESS_PER_PEER:
-            victim = min(mine, key=lambda c: c.conn_id)
+            victim = min(mine, key=greediest)
             why = (f"{len(mine)} connections without a session from {conn.peer_host}, the limit"
                    f" per peer is {MAX_SESSIONLESS_PER_PEER}")
         elif len(self.connections) >= self.max_connections and idle:
-            victim = min(idle, key=lambda c: c.conn_id)
+            victim = min(idle, key=greediest)
             why = (f"{len(self.connections)} connections open, the limit is"
                    f" {self.max_connections}")
         if victim is None:

@@ -29,7 +29,7 @@ from dspark_worker.config import (
     exposure_warning,
     max_step_body_bytes,
 )
-from dspark_worker.dispatch import RateLimitedLog
+from dspark_worker.dispatch import STATS_REBUILD_S, RateLimitedLog
 from protocol.constants import (
     OP_GOODBYE,
     OP_HELLO,
@@ -469,13 +469,15 @@ def test_ping_with_a_session_keeps_the_stream(worker: ThreadWorker, drafter: Any
 def test_repeated_stats_share_one_body_until_something_changes(worker: ThreadWorker,
                                                               drafter: Any) -> None:
     """STATS from a connection without a session is answered from the last body while no
-    other frame came (a pipelined flood costs no JSON per frame); a STEP makes it fresh."""
+    other frame came (a pipelined flood costs no JSON per frame); after a STEP it is fresh
+    once STATS_REBUILD_S has passed since the last body (rebuilt at most that often)."""
     d = drafter
     with worker.connect() as eng, worker.connect() as tool:
         assert eng.hello(make_hello(d, client_name="stats-cache")).status == ST_OK
         first = tool.stats().body
         assert all(tool.stats().body == first for _ in range(20))
         _fill_and_draft(eng, d)
+        time.sleep(STATS_REBUILD_S)
         after = msgspec.json.decode(tool.stats().body)
         assert after["totals"]["steps"] > msgspec.json.decode(first)["totals"]["steps"]
         # the engine's own connection sees its session's id: never a shared body
