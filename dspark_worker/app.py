@@ -334,7 +334,7 @@ class WorkerApp:
             worker_name=c.resolved_worker_name, drafter_identity=d.drafter_identity,
             markov_identity=d.markov_identity, window=c.window, num_spec=d.num_spec,
             row_bytes=d.row_bytes, vocab_size=d.vocab_size, n_taps=d.n_taps,
-            hidden=d.target_hidden, max_slots=c.max_slots,
+            hidden=d.target_hidden, max_slots=c.session_slots,
             max_rows_per_step=c.max_rows_per_step,
             capabilities=CAP_TAPS_BF16 | CAP_MARGIN | CAP_TOP32
             | (0 if has_confidence else CAP_NO_CONFIDENCE),
@@ -350,7 +350,10 @@ class WorkerApp:
                  first.weights_bytes / 2**20)
         table = SessionTable(max_sessions=c.max_sessions, lane_capacity=c.max_total_slots,
                              idle_s=c.session_idle_s, unused_idle_s=c.handshake_timeout_s,
-                             max_per_peer=c.sessions_per_peer)
+                             max_per_peer=c.sessions_per_peer,
+                             lanes_per_connection=c.slots_per_connection,
+                             lanes_per_peer=c.slots_per_peer,
+                             reservation_idle_s=c.reservation_idle_s)
         holder: dict[str, Dispatcher] = {}
         self.runner = Runner(d, self.pool, window=c.window,
                              complete=lambda item: holder["d"].complete(item),
@@ -699,6 +702,9 @@ class WorkerApp:
         return {"max_slots": c.max_slots, "max_rows_per_step": c.max_rows_per_step,
                 "max_sessions": c.max_sessions, "max_total_slots": c.max_total_slots,
                 "max_sessions_per_peer": c.sessions_per_peer,
+                "max_slots_per_connection": c.slots_per_connection,
+                "max_slots_per_peer": c.slots_per_peer,
+                "reservation_idle_s": c.reservation_idle_s,
                 "max_connections": c.max_connections,
                 "max_frame_bytes": frame_limit(c, row_bytes),
                 "max_shm_region_bytes": c.max_shm_region_bytes if c.unix else 0,

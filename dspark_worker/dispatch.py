@@ -45,7 +45,9 @@ go only to its own connection)::
                         "device_room": {"gap_ms": float | null, "chunk_ms": float | null},
                         "acceptance": ACCEPTANCE, "serving_acceptance": ACCEPTANCE},
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
-                 "max_connections", "max_frame_bytes", "session_idle_s",
+                 "max_sessions_per_peer", "max_slots_per_connection", "max_slots_per_peer",
+                 "reservation_idle_s", "max_connections", "max_frame_bytes",
+                 "max_shm_region_bytes", "max_shm_mapped_bytes", "session_idle_s",
                  "partial_frame_timeout_s", "handshake_timeout_s", "connection_idle_s",
                  "shed_queue_steps"},
       "threads": int, "connections": int, "queue_steps": int,
@@ -127,6 +129,7 @@ from protocol.constants import (
     SAMPLE_TOP32,
     SF_ROWS_SHM,
     ST_AUTH,
+    ST_BUSY,
     ST_DRAINING,
     ST_INTERNAL,
     ST_NO_SESSION,
@@ -449,7 +452,9 @@ class Dispatcher:
             body = self.shm.reply(0)
         self.metrics.frame(h.op, status)
         what = f"{h.op_name} {FRAME_STATUS_NAMES[status]} refusals from {conn.peer_host}"
-        self._refusal_log.warning((conn.peer_host, h.op, status), what,
+        # ST_BUSY says which limit: each limit's line is logged, not only the first one's
+        limit = exc.field if status == ST_BUSY else None
+        self._refusal_log.warning((conn.peer_host, h.op, status, limit), what,
                                   "%s seq %d session %#010x from %s refused %s: %s%s",
                                   h.op_name, h.seq, h.session, conn.peer,
                                   FRAME_STATUS_NAMES[status], exc,
@@ -506,20 +511,23 @@ class Dispatcher:
         before = self.table.get(h.session)
         moved_from = before.conn_id if before is not None else 0
         result = self.table.hello(h.session, h.seq, hello, conn.conn_id, now, live,
-                                  conn.peer_host)
+                                  conn.peer_host, self.connected)
         if moved_from and moved_from != conn.conn_id:
             self.session_left(moved_from)
         for s, reason in result.dropped:
-            self._dropped(s, reason, f"by session {h.session:#010x} from {conn.peer}")
+            self._dropped(s, reason, f"its {s.max_slots} slots, without a STEP for"
+                          f" {now - s.last_step_at:.1f} s, went to session {h.session:#010x}"
+                          f" from {conn.peer}" if reason is DropReason.UNUSED
+                          else f"by session {h.session:#010x} from {conn.peer}")
         for other in result.kept:
             self._refusal_log.warning(
                 ("shared_client_name", hello.client_name),
                 f"HELLOs sharing client name {hello.client_name!r}",
-                "client name %r: session %#010x from %s is kept beside session %#010x (its"
-                " connection is open and it was active %.1f s ago): two engines use this client"
-                " name; give each engine its own, so that a respawn clears only its own state",
-                hello.client_name, other.session_id, conn.peer, h.session,
-                now - other.last_active)
+                "client name %r: session %#010x (from %s, its connection open, active %.1f s"
+                " ago) is kept beside the new session %#010x from %s: two engines use this"
+                " client name, or a stranger claims it; give each engine its own, so that a"
+                " respawn clears only its own state", hello.client_name, other.session_id,
+                other.peer, now - other.last_active, h.session, conn.peer)
         s = result.session
         conn.session_id = s.session_id
         if result.outcome is not Outcome.RESUMED:

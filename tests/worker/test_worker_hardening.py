@@ -442,6 +442,10 @@ def test_start_warnings_for_limits_that_cannot_all_be_used() -> None:
     assert str(1 << 20) in texts[0] and str(largest) in texts[0]
     assert "max_slots 600 is above max_total_slots 512" in texts[1]
     assert config_warnings(WorkerConfig(), 25600) == []  # the defaults agree
+    small_share = config_warnings(WorkerConfig(max_slots_per_peer=128), 25600)
+    assert len(small_share) == 1 and "a HELLO may ask for 128 slots at most" in small_share[0]
+    assert WorkerConfig(max_slots_per_peer=128).session_slots == 128
+    assert (WorkerConfig().slots_per_connection, WorkerConfig().slots_per_peer) == (256, 256)
 
 
 # -- 13: exposed without authentication ----------------------------------------------------
