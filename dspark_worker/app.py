@@ -145,7 +145,9 @@ def _device_dtype(config: WorkerConfig) -> tuple[str, Any]:
 
 
 def load_drafter_for(config: WorkerConfig) -> Any:
-    """Load and return the drafter the config names (slow: run it off the event loop)."""
+    """Load and return the drafter the config names (slow: run it off the event loop). A
+    folder it cannot serve raises ``drafter.CheckpointRefused`` before any of the drafter's
+    memory is allocated, host or device."""
     from .drafter import load_drafter
 
     device, dtype = _device_dtype(config)
@@ -281,9 +283,11 @@ class WorkerApp:
             try:
                 self.drafter = await loop.run_in_executor(self._device, load_drafter_for, c)
             except Exception as exc:
-                # The checkpoint's own errors say what is wrong in words; anything else is a
-                # surprise, and its class name helps.
-                what = str(exc) if isinstance(exc, ValueError | OSError) \
+                from .drafter import CheckpointRefused
+
+                # A refused folder says what is wrong in words, naming key, value and limit;
+                # anything else is a surprise, and its class name helps.
+                what = str(exc) if isinstance(exc, CheckpointRefused | OSError) \
                     else f"{type(exc).__name__}: {exc}"
                 raise StartupError(f"cannot load the drafter ({c.checkpoint or 'embedded'}):"
                                    f" {what}") from exc
@@ -322,8 +326,12 @@ class WorkerApp:
         if c.warmup:
             self.phase = "warming up"
             t1 = time.perf_counter()
-            await loop.run_in_executor(self._device, d.warmup)
-            broken = await loop.run_in_executor(self._device, self_check, d)
+            try:
+                await loop.run_in_executor(self._device, d.warmup)
+                broken = await loop.run_in_executor(self._device, self_check, d)
+            except Exception as exc:
+                raise StartupError(f"cannot warm up the drafter: {type(exc).__name__}:"
+                                   f" {exc}") from exc
             log.info("warmed up in %.2f s", time.perf_counter() - t1)
             if broken is not None:
                 log.error("the drafter's own check failed: %s; /healthz answers 503 and every"

@@ -53,6 +53,9 @@ MODEL_TYPES = ("gemma4_unified_text", "gemma4_text", "gemma4_unified", "gemma4")
 ARCHITECTURES = ("Gemma4DSparkModel",)
 ROPE_TYPES = ("proportional", "default")
 HIDDEN_ACTIVATION = "gelu_pytorch_tanh"
+# final_logit_softcapping: Gemma's is 30; by 1e6 tanh(U / cap) * cap caps nothing a drafter
+# produces, and past float32's range the cap is infinite and every draft NaN.
+MAX_SOFTCAP = 1e6
 # Options of the Gemma4 text config that change the draft's computation and that no released
 # Gemma4 DSpark drafter uses: refused with the value we would need (None: must be absent/null).
 UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
@@ -144,10 +147,11 @@ class Gemma4Config(DrafterConfig):
                 f"{source}: rope_parameters.full_attention.partial_rotary_factor {p!r} is"
                 " outside (0, 1]", field="partial_rotary_factor", value=p)
         cap = self.final_logit_softcapping
-        if cap is not None and not (math.isfinite(cap) and cap > 0):
+        if cap is not None and not (math.isfinite(cap) and 0 < cap <= MAX_SOFTCAP):
             raise DrafterConfigError(
-                f"{source}: final_logit_softcapping {cap!r} must be a positive finite number"
-                " or null", field="final_logit_softcapping", value=cap)
+                f"{source}: final_logit_softcapping {cap!r} must be a number in (0,"
+                f" {MAX_SOFTCAP:g}] or null (Gemma's is 30)", field="final_logit_softcapping",
+                value=cap, limit=MAX_SOFTCAP)
         return self
 
 
@@ -251,6 +255,10 @@ def _rope(r: ConfigReader, source: str) -> tuple[float, float]:
     if isinstance(theta, bool) or not isinstance(theta, int | float):
         raise DrafterConfigError(f"{source}: {where}.rope_theta {theta!r} is not a number",
                                  field=f"{where}.rope_theta", value=theta)
+    if not (math.isfinite(theta) and theta > 1):
+        raise DrafterConfigError(f"{source}: {where}.rope_theta {theta!r} must be a finite"
+                                 " number above 1 (the rotary base)",
+                                 field=f"{where}.rope_theta", value=theta, limit=1)
     partial = entry.get("partial_rotary_factor", 1.0) if kind == "proportional" else 1.0
     if isinstance(partial, bool) or not isinstance(partial, int | float):
         raise DrafterConfigError(
