@@ -132,6 +132,7 @@ from protocol.constants import (
     ST_BUSY,
     ST_DRAINING,
     ST_INTERNAL,
+    ST_LIMITS,
     ST_NO_SESSION,
     ST_OK,
     ST_VERSION,
@@ -357,6 +358,7 @@ class Dispatcher:
         self._reload_nonces: OrderedDict[bytes, float] = OrderedDict()
         # Section 13: shared-memory rows regions (max_region_bytes 0: none offered).
         self.shm = shm if shm is not None else ShmOps(0)
+        self.shm.make_room = self._unused_regions_give_way
         self._refusal_log = RateLimitedLog(log)
         # Bumped by every frame but PING and STATS, every STEP answered and every session
         # dropped: a cached STATS body is reused only while it stays the same.
@@ -448,8 +450,9 @@ class Dispatcher:
         if h.op == OP_HELLO:
             body = self.info.hello_reply().pack()
             self.metrics.hello_refusals.labels(status=FRAME_STATUS_NAMES[status]).inc()
-        elif h.op == OP_SHM_ATTACH:
-            body = self.shm.reply(0)
+        elif h.op == OP_SHM_ATTACH:  # on ST_LIMITS: the largest region it could map (13.2)
+            s = self.table.get(h.session) if status == ST_LIMITS else None
+            body = self.shm.reply(self.shm.room(self._rows_bytes(s)) if s is not None else 0)
         self.metrics.frame(h.op, status)
         what = f"{h.op_name} {FRAME_STATUS_NAMES[status]} refusals from {conn.peer_host}"
         # ST_BUSY says which limit: each limit's line is logged, not only the first one's
@@ -817,9 +820,32 @@ class Dispatcher:
     def _shm_attach(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
         h = fr.header
         s = self.table.bound(h.session, conn.conn_id, h.seq)
-        body = self.shm.attach(conn, fr)
+        body = self.shm.attach(conn, fr, self._rows_bytes(s))
         self.table.touch(s, h.seq, self.clock())
         return self._ok(h, body)
+
+    def _rows_bytes(self, s: Session) -> int:
+        """The rows of the session's largest STEP: what a region of it can hold at most."""
+        return s.hello.max_rows_per_step * self.info.row_bytes
+
+    def _unused_regions_give_way(self, need: int) -> None:
+        """SHM_ATTACH finds the regions' cap full: connections whose sessions all went
+        reservation_idle_s without a STEP let go of them (and so of their regions), the
+        largest region first, until ``need`` bytes are free; as a HELLO takes unused lanes."""
+        now = self.clock()
+        sessions: dict[int, list[Session]] = {}
+        for s in self.table:
+            sessions.setdefault(s.conn_id, []).append(s)
+        for conn_id, nbytes in sorted(self.shm.by_connection.items(), key=lambda kv: -kv[1]):
+            if need <= 0:
+                return
+            mine = sessions.get(conn_id, [])
+            if mine and all(self.table.unused(s, now) for s in mine):
+                for s in mine:
+                    self._drop(s, DropReason.UNUSED, f"its connection's {nbytes}-byte"
+                               " shared-memory region, unused (no STEP for"
+                               f" {now - s.last_step_at:.1f} s), was needed by another")
+                need -= nbytes
 
     # -- sessions ---------------------------------------------------------------------------------
     def expire_idle(self) -> int:

@@ -352,7 +352,7 @@ class SessionTable:
                             limit=self.lanes_per_connection)
         # What does not fit otherwise takes the lanes of reservations left unused (never a
         # STEP for reservation_idle_s), the longest unused first.
-        unused = sorted((s for s in stay if self._unused(s, now)),
+        unused = sorted((s for s in stay if self.unused(s, now)),
                         key=lambda s: s.last_step_at)
         evict: list[Session] = []
 
@@ -402,7 +402,7 @@ class SessionTable:
                             value=hello.max_slots, limit=free_lanes())
         return evict
 
-    def _unused(self, s: Session, now: float) -> bool:
+    def unused(self, s: Session, now: float) -> bool:
         """``s`` reserved lanes and sent no STEP for ``reservation_idle_s``."""
         return (self.reservation_idle_s is not None
                 and now - s.last_step_at >= self.reservation_idle_s)
