@@ -413,6 +413,19 @@ def test_idle_http_connections_do_not_keep_a_scrape_out(worker: ThreadWorker) ->
             s.close()
 
 
+def test_probes_are_answered_while_the_draft_loop_is_held(worker: ThreadWorker) -> None:
+    """The metrics port has an event loop and a thread of its own: while the draft port's loop
+    is held (1.5 s of work in one callback, as a flood or a slow handler would hold it),
+    /livez, /healthz and /metrics still answer at once."""
+    worker.loop.call_soon_threadsafe(time.sleep, 1.5)
+    time.sleep(0.1)  # the loop is in it now
+    t0 = time.perf_counter()
+    for path in ("/livez", "/healthz", "/metrics"):
+        status, _ = worker.scrape(path)
+        assert status == 200, path
+    assert time.perf_counter() - t0 < 0.5
+
+
 # -- 12: a HELLO the frame limit cannot serve ----------------------------------------------
 def test_hello_whose_largest_step_is_over_the_frame_limit_is_refused(
         drafter: Any, caplog: pytest.LogCaptureFixture) -> None:
