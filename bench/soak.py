@@ -635,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
                 op = wire.OP_STATS if a.churn_op == "stats" else wire.OP_PING
                 flood_args = (churn_flood, "127.0.0.1", port, a.churn_rate, a.churn_burst, op)
             elif a.flood == "hoard":
+                n = 8
                 flood_count = [0, 0]
                 flood_args = (hoard_lanes, "127.0.0.1", port, hello.pack())
             else:

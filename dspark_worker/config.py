@@ -38,9 +38,10 @@ DEFAULT_MAX_SESSIONS: Final = 64
 DEFAULT_MAX_TOTAL_SLOTS: Final = 512
 # A session that sent no STEP for this long (since its HELLO, or its last STEP) gives its lanes
 # up to a HELLO that would not fit otherwise: an engine steps every few milliseconds while it
-# serves, so lanes unused this long are a reservation left behind, or a stranger's hoard. An
-# idle engine keeps its lanes while nobody needs them.
-DEFAULT_RESERVATION_IDLE_S: Final = 10.0
+# serves, so lanes unused this long are a reservation left behind, or a stranger's hoard (and
+# a new engine waits this long at most for them). An idle engine keeps its lanes while nobody
+# needs them. As LIVE_SESSION_S: such a session no longer counts as in use either.
+DEFAULT_RESERVATION_IDLE_S: Final = 5.0
 # Open connections: an engine holds one per rank-0 process; more is a leak or a flood.
 DEFAULT_MAX_CONNECTIONS: Final = 256
 # 6.2: a session with no frame for this long is dropped with its windows.

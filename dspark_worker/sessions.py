@@ -327,8 +327,11 @@ class SessionTable:
         for s, _ in to_drop:
             self._remove(s)
         session = Session(session_id, hello, conn_id, seq, now)
-        if existing is not None:  # re-created: its lanes have gone unused since the first's
-            session.last_step_at = existing.last_step_at
+        # Lanes that went unused stay unused until a STEP: a re-created session keeps its
+        # first's clock, and one that took an unused reservation's lanes keeps that clock, so
+        # a hoarder re-HELLOing for the lanes it just lost holds them no longer than before.
+        for old in ([existing] if existing is not None else []) + evict:
+            session.last_step_at = min(session.last_step_at, old.last_step_at)
         session.peer = peer
         self._by_id[session_id] = session
         self._retired.pop(session_id, None)

@@ -256,6 +256,11 @@ def test_a_reservation_without_a_step_gives_its_lanes_to_a_hello_that_needs_them
     r = t.hello(3, 1, hello(8), conn_id=3, now=10.0, peer="h")
     assert r.dropped == [(hoard2, DropReason.UNUSED)] and not hoard2.alive and used.alive
     assert t.lanes_reserved == 16
+    # the lanes it took stay unused until its first STEP: a hoarder's next HELLO gets them back
+    # only to lose them at once to the next that needs them
+    assert r.session.last_step_at == 0
+    _step(t, r.session, 2, 10.5)
+    assert r.session.last_step_at == 10.5
 
 
 def test_a_client_name_held_on_another_host_is_kept_and_a_stopped_predecessor_gives_way(
