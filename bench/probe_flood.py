@@ -10,43 +10,26 @@ a plain HTTP GET every 0.1 s from this process. Prints the probes' p50 / p90 / m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import multiprocessing as mp
-import socket
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for where in (ROOT, ROOT / "bench"):  # protocol, and soak's flood beside this script
+    if str(where) not in sys.path:
+        sys.path.insert(0, str(where))
 
 from protocol import wire  # noqa: E402
 
-HOLD = 64  # connections each flood process keeps open (the oldest is closed)
 
+def flood(host: str, port: int, rate: float, seconds: float, payload: bytes) -> None:
+    """One flood process: ``soak.churn`` for ``seconds``."""
+    from soak import churn
 
-def churn(host: str, port: int, rate: float, seconds: float, payload: bytes) -> None:
-    """``rate`` new connections a second for ``seconds``, each sent ``payload`` and never read."""
-    held: list[socket.socket] = []
-    t_next = time.monotonic()
-    stop = t_next + seconds
-    while time.monotonic() < stop:
-        try:
-            s = socket.create_connection((host, port), timeout=2)
-            s.setblocking(False)
-            with contextlib.suppress(OSError):
-                s.send(payload)
-            held.append(s)
-        except OSError:
-            pass
-        while len(held) > HOLD:
-            held.pop(0).close()
-        t_next += 1.0 / rate
-        time.sleep(max(0.0, t_next - time.monotonic()))
-    for s in held:
-        s.close()
+    stop = time.monotonic() + seconds
+    churn(host, port, rate, payload, lambda: time.monotonic() >= stop)
 
 
 def probe(host: str, port: int, path: str) -> float:
@@ -77,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         head = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"  # the empty line never comes
         burst = b"".join(wire.frame(wire.OP_STATS, i + 1, 0) for i in range(32))
         ctx = mp.get_context("spawn")
-        floods = [ctx.Process(target=churn, args=(host, int(mport), a.metrics_rate / 2,
+        floods = [ctx.Process(target=flood, args=(host, int(mport), a.metrics_rate / 2,
                                                   a.duration, head)) for _ in range(2)]
         if a.draft_rate:
-            floods += [ctx.Process(target=churn, args=(w.host, w.port, a.draft_rate / 2,
+            floods += [ctx.Process(target=flood, args=(w.host, w.port, a.draft_rate / 2,
                                                        a.duration, burst)) for _ in range(2)]
         for f in floods:
             f.start()

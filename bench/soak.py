@@ -348,40 +348,48 @@ def keepalive_flood(host: str, port: int, connections: int, stop: threading.Even
             s.close()
 
 
+def churn(host: str, port: int, rate: float, payload: bytes, done: Callable[[], bool],
+          made: Callable[[], None] = lambda: None, hold: int = 64) -> None:
+    """``rate`` new connections a second until ``done()``, each sent ``payload`` in one write
+    and never read; the newest ``hold`` stay open (the oldest is closed)."""
+    held: list[socket.socket] = []
+    t_next = time.monotonic()
+    while not done():
+        try:
+            s = socket.create_connection((host, port), timeout=2)
+            s.setblocking(False)
+            with contextlib.suppress(OSError):
+                s.send(payload)
+            held.append(s)
+            made()
+        except OSError:
+            pass
+        while len(held) > hold:
+            held.pop(0).close()
+        t_next += 1.0 / rate
+        delay = t_next - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        else:
+            t_next = time.monotonic()  # behind: no catching up in a burst
+    for s in held:
+        s.close()
+
+
 def churn_flood(host: str, port: int, rate: float, burst: int, op: int, stop: threading.Event,
                 counter: list[int]) -> None:
     """``rate`` new connections a second (over 4 threads), each sent one write of ``burst``
-    STATS or PINGs whose replies it never reads; each thread keeps its newest 64 open (the
-    oldest is closed) and ``counter`` counts the connections made."""
-    threads = 4
+    STATS or PINGs whose replies it never reads; each thread keeps its newest 64 open and
+    ``counter`` counts the connections made."""
     msg = b"".join(wire.frame(op, i + 1, 0) for i in range(burst))
 
     def run(k: int) -> None:
-        held: list[socket.socket] = []
-        every = threads / rate
-        t_next = time.monotonic()
-        while not stop.is_set():
-            try:
-                s = socket.create_connection((host, port), timeout=2)
-                s.setblocking(False)
-                with contextlib.suppress(OSError):
-                    s.send(msg)
-                held.append(s)
-                counter[k] += 1
-            except OSError:
-                pass
-            while len(held) > 64:
-                held.pop(0).close()
-            t_next += every
-            delay = t_next - time.monotonic()
-            if delay > 0:
-                stop.wait(delay)
-            else:
-                t_next = time.monotonic()  # behind: no catching up in a burst
-        for s in held:
-            s.close()
+        def made() -> None:
+            counter[k] += 1
 
-    run_all(run, [(k,) for k in range(threads)])
+        churn(host, port, rate / 4, msg, stop.is_set, made)
+
+    run_all(run, [(k,) for k in range(4)])
 
 
 def hoard_lanes(host: str, port: int, hello_body: bytes, stop: threading.Event,
