@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ConfigReader, DrafterConfig, DrafterConfigError, temperatures
+from .limits import MAX_SOFTCAP
 from .model import (
     MLP,
     ConfidenceHead,
@@ -53,9 +54,6 @@ MODEL_TYPES = ("gemma4_unified_text", "gemma4_text", "gemma4_unified", "gemma4")
 ARCHITECTURES = ("Gemma4DSparkModel",)
 ROPE_TYPES = ("proportional", "default")
 HIDDEN_ACTIVATION = "gelu_pytorch_tanh"
-# final_logit_softcapping: Gemma's is 30; by 1e6 tanh(U / cap) * cap caps nothing a drafter
-# produces, and past float32's range the cap is infinite and every draft NaN.
-MAX_SOFTCAP = 1e6
 # Options of the Gemma4 text config that change the draft's computation and that no released
 # Gemma4 DSpark drafter uses: refused with the value we would need (None: must be absent/null).
 UNSUPPORTED: tuple[tuple[str, object, str], ...] = (

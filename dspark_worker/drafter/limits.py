@@ -52,6 +52,12 @@ SIZE_LIMITS: Final[dict[str, tuple[int, str]]] = {
 MAX_BLOCK_SPEC: Final = MAX_NUM_SPEC
 # target_layer_ids: a tap row is n_taps x hidden bf16 values; DSpark drafters tap 3 to 5 layers.
 MAX_TAPS: Final = 64
+# A logit soft cap (Gemma's final_logit_softcapping is 30): by 1e6 tanh(U / cap) * cap caps
+# nothing a drafter produces, and past float32's range the cap is infinite and every draft NaN.
+MAX_SOFTCAP: Final = 1e6
+# A multiplier of embeddings or logits (DFlash's input_embedding_scale, output_multiplier are
+# about 1 to 100): beyond this the bf16 activations overflow to inf and the drafts are NaN.
+MAX_SCALE: Final = 1e6
 
 
 class CheckpointRefused(ValueError):

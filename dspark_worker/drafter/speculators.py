@@ -478,7 +478,11 @@ def _rope(r: ConfigReader, layer: Mapping[str, Any], source: str, prefix: str = 
     params = layer.get("rope_parameters")
     if params is None:
         where = f"{prefix}rope_scaling"
-        params = dict(layer.get("rope_scaling") or {})
+        given = layer.get("rope_scaling") or {}
+        if not isinstance(given, Mapping):
+            raise DrafterConfigError(f"{source}: {where} {given!r} is not an object",
+                                     field=where, value=given)
+        params = dict(given)
         if layer.get("rope_theta") is not None:
             params["rope_theta"] = layer["rope_theta"]
     if not isinstance(params, Mapping):

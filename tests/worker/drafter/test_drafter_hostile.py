@@ -33,11 +33,14 @@ from dspark_worker.drafter.limits import MAX_CONFIG_BYTES
 
 DATA = Path(__file__).resolve().parent / "data"
 SPEC = DATA / "speculators_tiny"
+DFLASH = DATA / "dflash_tiny"
 FAMILIES: dict[str, tuple[Path, Path | None]] = {
     "qwen3": (REFERENCE_DIR, None),
     "gemma4": (DATA / "gemma4_tiny", None),
     "speculators": (SPEC / "vanilla_anchor_reduced", SPEC / "target"),
     "speculators-yarn": (SPEC / "llama_bias_yarn_bonus_nomarkov", SPEC / "target"),
+    "dflash-zlab": (DFLASH / "zlab_legacy_b8", DFLASH / "target"),
+    "dflash2-yarn": (DFLASH / "extra_zlab2_scaled_yarn", DFLASH / "target"),
 }
 # A refusal comes before the weights are read: far under this on any machine (and a FIFO or
 # an endless file that is read anyway fails the test here instead of hanging it).
@@ -117,6 +120,11 @@ TABLE: list[tuple[str, tuple[str, ...], Any, str]] = [
     ("speculators", (*ROPE, "rope_type"), "llama3", "is missing"),
     ("gemma4", ("final_logit_softcapping",), 1e308, "must be a number in (0, 1e+06]"),
     ("speculators", (*LAYER, "rms_norm_eps"), math.inf, "is not a finite number"),
+    ("dflash-zlab", ("rope_scaling",), 5, "is not an object"),  # a TypeError before
+    ("dflash2-yarn", ("dflash_config", "final_logit_softcapping"), 1e308,  # an IndexError
+     "must be a number in (0, 1e+06]"),
+    ("dflash2-yarn", ("dflash_config", "input_embedding_scale"), 1e308, "at most 1e+06"),
+    ("dflash-zlab", ("block_size",), 100000, "N must be in 1..64"),
 ]
 
 
