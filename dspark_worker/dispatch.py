@@ -178,8 +178,10 @@ AUTH_WINDOW_S = 60.0
 # A STATS body for connections without a session is reused for this long at most (while no
 # other frame came): a peer pipelining STATS gets the same bytes, not a fresh JSON each time.
 STATS_CACHE_S = 0.25
-# ... and rebuilt at most this often while engines step (each STEP changes it): a body costs
-# about a millisecond, so strangers' STATS cost at most 2% of the loop however many ask.
+# ... and rebuilt at most this often for what only moves its counters (each STEP, each
+# connection opened or closed): a body costs about a millisecond, so strangers' STATS cost at
+# most 2% of the loop however many ask while engines step. A session created or dropped makes
+# it fresh at once.
 STATS_REBUILD_S = 0.05
 
 Buffer = bytes | bytearray | memoryview
@@ -360,13 +362,16 @@ class Dispatcher:
         self.shm = shm if shm is not None else ShmOps(0)
         self.shm.make_room = self._unused_regions_give_way
         self._refusal_log = RateLimitedLog(log)
-        # Bumped by every frame but PING and STATS, every STEP answered and every session
-        # dropped: a cached STATS body is reused only while it stays the same.
+        # Bumped by every frame but PING, STATS and STEP, and every session dropped or
+        # version added: a cached STATS body is reused only while it stays the same.
         self.state_version = 0
+        # Bumped by what only moves the body's counters (STEPs, connections opened and
+        # closed): the body is rebuilt for them at most every STATS_REBUILD_S.
+        self.counters_version = 0
         # Why the drafter's latest outputs were refused (not finite), until a STEP drafts
         # finite values again; /healthz answers 503 meanwhile.
         self.outputs_broken: str | None = None
-        self._stats_cache: tuple[tuple[int, bool, bool], float, bytes] | None = None
+        self._stats_cache: tuple[tuple[int, bool, bool], float, bytes, int] | None = None
         # peer host -> (window start, HELLOs whose tag did not verify since)
         self._auth_failures: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._dropped_counts: dict[str, int] = {}
@@ -407,7 +412,9 @@ class Dispatcher:
                                     field="status", value=h.status, limit=0)
             if self.draining and h.op in (OP_HELLO, OP_STEP):
                 raise DrainingError("the worker is shutting down; connect to another worker")
-            if h.op not in (OP_PING, OP_STATS):
+            if h.op == OP_STEP:
+                self.counters_version += 1
+            elif h.op not in (OP_PING, OP_STATS):
                 self.state_version += 1
             if fr.discarded:  # section 3: the connection's session is gone; the body was dropped
                 raise NoSessionError(
@@ -674,7 +681,7 @@ class Dispatcher:
     def complete(self, item: StepItem) -> None:
         """The runner is done with a STEP (loop thread): reply, account, recycle its buffer."""
         t_back = time.perf_counter()
-        self.state_version += 1
+        self.counters_version += 1
         conn, h, m = item.conn, item.header, self.metrics
         conn.release_storage(item.storage)
         item.storage = None
@@ -764,9 +771,10 @@ class Dispatcher:
         key = (self.state_version, self.draining, self.ready)
         cached = self._stats_cache
         age = now - cached[1] if cached is not None else STATS_CACHE_S
-        if cached is None or age >= STATS_CACHE_S or (cached[0] != key
-                                                       and age >= STATS_REBUILD_S):
-            cached = self._stats_cache = (key, now, msgspec.json.encode(self.stats()))
+        if (cached is None or age >= STATS_CACHE_S or cached[0] != key
+                or (cached[3] != self.counters_version and age >= STATS_REBUILD_S)):
+            cached = self._stats_cache = (key, now, msgspec.json.encode(self.stats()),
+                                          self.counters_version)
         return self._ok(h, cached[2])
 
     def _reset(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:

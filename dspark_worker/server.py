@@ -642,7 +642,7 @@ class WorkerServer:
                               f" {self.max_connections}")
             return False
         self.connections[conn.conn_id] = conn
-        self.dispatcher.state_version += 1
+        self.dispatcher.counters_version += 1
         self.metrics.connections_total.inc()
         self.metrics.connections.set(len(self.connections))
         log.debug("connection %d from %s (%s)", conn.conn_id, conn.peer, conn.kind)
@@ -651,7 +651,7 @@ class WorkerServer:
     def unregister(self, conn: Connection, reason: str) -> None:
         if self.connections.pop(conn.conn_id, None) is None:
             return
-        self.dispatcher.state_version += 1
+        self.dispatcher.counters_version += 1
         self.metrics.connections.set(len(self.connections))
         self.metrics.connections_closed.labels(reason=reason).inc()
         log.debug("connection %d from %s closed: %s", conn.conn_id, conn.peer, reason)
