@@ -128,6 +128,7 @@ def engine_main(e: int, args: dict[str, Any], hello_raw: bytes, out: Any, killed
         lost = 0
         baseline: dict[str, float] | None = None
         rows_ok_since = 0
+        first_ok = False
         next_tick = time.monotonic() + args["interval"]
         while not stop.is_set():
             if baseline is None and killed.is_set():
@@ -148,6 +149,9 @@ def engine_main(e: int, args: dict[str, Any], hello_raw: bytes, out: Any, killed
             # round too.
             time.sleep(args["step_s"])
             n_round += 1
+            if res.ok and not first_ok:
+                first_ok = True
+                out.put(("first_ok", e, time.time()))
             tick_steps += 1 if res.ok else 0
             tick_failed += 0 if res.ok else 1
             if res.ok:
@@ -344,6 +348,114 @@ def keepalive_flood(host: str, port: int, connections: int, stop: threading.Even
             s.close()
 
 
+def churn(host: str, port: int, rate: float, payload: bytes, done: Callable[[], bool],
+          made: Callable[[], None] = lambda: None, hold: int = 64) -> None:
+    """``rate`` new connections a second until ``done()``, each sent ``payload`` in one write
+    and never read; the newest ``hold`` stay open (the oldest is closed)."""
+    held: list[socket.socket] = []
+    t_next = time.monotonic()
+    while not done():
+        try:
+            s = socket.create_connection((host, port), timeout=2)
+            s.setblocking(False)
+            with contextlib.suppress(OSError):
+                s.send(payload)
+            held.append(s)
+            made()
+        except OSError:
+            pass
+        while len(held) > hold:
+            held.pop(0).close()
+        t_next += 1.0 / rate
+        delay = t_next - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        else:
+            t_next = time.monotonic()  # behind: no catching up in a burst
+    for s in held:
+        s.close()
+
+
+def churn_flood(host: str, port: int, rate: float, burst: int, op: int, stop: threading.Event,
+                counter: list[int]) -> None:
+    """``rate`` new connections a second (over 4 threads), each sent one write of ``burst``
+    STATS or PINGs whose replies it never reads; each thread keeps its newest 64 open and
+    ``counter`` counts the connections made."""
+    msg = b"".join(wire.frame(op, i + 1, 0) for i in range(burst))
+
+    def run(k: int) -> None:
+        def made() -> None:
+            counter[k] += 1
+
+        churn(host, port, rate / 4, msg, stop.is_set, made)
+
+    run_all(run, [(k,) for k in range(4)])
+
+
+def hoard_lanes(host: str, port: int, hello_body: bytes, stop: threading.Event,
+                counter: list[int]) -> None:
+    """A stranger with no secret reserves every lane it can: HELLOs of ``max_slots`` slots (4
+    sessions a connection, up to 8 connections), each of whose sessions then only PINGs, and
+    HELLOs again every 0.5 s for what frees; never a STEP. ``counter[0]``: the sessions it holds
+    now, ``counter[1]``: its HELLOs refused."""
+    base = wire.Hello.unpack(hello_body)
+    socks: list[tuple[socket.socket, list[int]]] = []
+    seq = 0
+    next_session = 0x5EED0000
+
+    def ask(s: socket.socket, op: int, session: int, body: bytes = b"") -> int:
+        nonlocal seq
+        seq += 1
+        s.sendall(wire.frame(op, seq, session, body))
+        buf = b""
+        while len(buf) < wire.APP_HEADER_SIZE:
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError("closed")
+            buf += chunk
+        h = wire.AppHeader.unpack(buf[:wire.APP_HEADER_SIZE])
+        while len(buf) < wire.APP_HEADER_SIZE + h.body_len:
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError("closed")
+            buf += chunk
+        return int(h.status)
+
+    while not stop.is_set():
+        try:
+            while len(socks) < 8:
+                s = socket.create_connection((host, port), timeout=2)
+                socks.append((s, []))
+            for s, held in socks:
+                held[:] = [sid for sid in held if ask(s, wire.OP_PING, sid) == wire.ST_OK]
+                while len(held) < 4:
+                    next_session += 1
+                    hello = wire.Hello(**{f: getattr(base, f) for f in base.__struct_fields__
+                                          if f != "client_name"},
+                                       client_name=f"hoard-{next_session:x}")
+                    if ask(s, wire.OP_HELLO, next_session, hello.pack()) != wire.ST_OK:
+                        counter[1] += 1
+                        break
+                    held.append(next_session)
+        except OSError:
+            for s, _ in socks:
+                s.close()
+            socks = []
+        counter[0] = sum(len(held) for _, held in socks)
+        stop.wait(0.5)
+    for s, _ in socks:
+        s.close()
+
+
+def worker_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def first_reply_probe(host: str, port: int, stop: threading.Event, out: list[float]) -> None:
     """A new connection's first PING, every 0.2 s: its connect-to-reply time in seconds (inf
     when refused)."""
@@ -392,6 +504,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+FLOODS = ("none", "pipeline", "keepalive", "churn", "hoard")
+
+
+def cpu_sampler(pid_of: Callable[[], int], stop: threading.Event,
+                out: list[tuple[float, float]]) -> None:
+    """(monotonic time, the worker's CPU seconds) every 0.25 s."""
+    while not stop.is_set():
+        out.append((time.monotonic(), worker_cpu_s(pid_of())))
+        stop.wait(0.25)
+
+
+def cpu_share(samples: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """The worker's CPU use between t0 and t1 (monotonic), in cores."""
+    inside = [x for x in samples if t0 <= x[0] <= t1]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return float("nan")
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", type=int, default=8)
@@ -412,12 +543,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="an extra dspark-worker argument (repeatable): --worker-arg=--no-warmup")
     p.add_argument("--step-ms", type=float, default=2.0,
                    help="each engine's own time per round (its target step), slept")
-    p.add_argument("--flood", choices=("none", "pipeline", "keepalive"), default="none",
+    p.add_argument("--flood", choices=FLOODS, default="none",
                    help="a flood beside the engines from --fuzz-at until --kill-at: STATS"
-                        " pipelined on --flood-connections connections, or that many idle"
-                        " connections kept open by a PING every 2 s")
+                        " pipelined on --flood-connections connections; that many idle"
+                        " connections kept open by a PING every 2 s; --churn-rate new"
+                        " connections a second each sending --churn-burst frames it never"
+                        " reads; or a stranger reserving every lane it can (hoard), with one"
+                        " more engine started a second later")
     p.add_argument("--flood-connections", type=int, default=0,
                    help="default: 3 for pipeline, 300 for keepalive")
+    p.add_argument("--churn-rate", type=float, default=300.0,
+                   help="churn: new connections a second")
+    p.add_argument("--churn-burst", type=int, default=32, help="churn: frames per connection")
+    p.add_argument("--churn-op", choices=("stats", "ping"), default="stats")
     p.add_argument("--no-kill", action="store_true",
                    help="no kill -9 / restart (a flood measurement)")
     a = p.parse_args(argv)
@@ -455,6 +593,15 @@ def main(argv: list[str] | None = None) -> int:
                          daemon=True) for e in range(a.engines)]
     for pr in procs:
         pr.start()
+    n_engines = a.engines  # the hoard flood adds one more engine
+    late_started: float | None = None  # wall clock of the late engine's start
+    late_first_ok: float | None = None
+    cpu: list[tuple[float, float]] = []
+    cpu_stop = threading.Event()
+    cpu_thread = threading.Thread(target=cpu_sampler, args=(lambda: worker.pid, cpu_stop, cpu),
+                                  daemon=True)
+    cpu_thread.start()
+    flood_on_t = flood_off_t = 0.0  # monotonic
     print(f"soak: {a.engines} engines x {a.slots} slots, W {a.window}, {a.duration:g} s,"
           f" fuzz {a.fuzz_frames} frames at {a.fuzz_at:.0%}, kill -9 at {a.kill_at:.0%};"
           f" worker pid {worker.pid}", flush=True)
@@ -489,21 +636,44 @@ def main(argv: list[str] | None = None) -> int:
         el = now - t0
         if a.flood != "none" and flood_thread is None and el >= a.fuzz_at * a.duration:
             n = a.flood_connections or (3 if a.flood == "pipeline" else 300)
-            target = pipeline_flood if a.flood == "pipeline" else keepalive_flood
-            flood_count = [0] * max(n, 1)
-            flood_thread = threading.Thread(target=target, args=("127.0.0.1", port, n,
-                                                                 flood_stop, flood_count),
+            flood_args: tuple[Any, ...]
+            if a.flood == "churn":
+                n = int(a.churn_rate)
+                flood_count = [0] * 4
+                op = wire.OP_STATS if a.churn_op == "stats" else wire.OP_PING
+                flood_args = (churn_flood, "127.0.0.1", port, a.churn_rate, a.churn_burst, op)
+            elif a.flood == "hoard":
+                n = 8
+                flood_count = [0, 0]
+                flood_args = (hoard_lanes, "127.0.0.1", port, hello.pack())
+            else:
+                flood_count = [0] * max(n, 1)
+                flood_args = (pipeline_flood if a.flood == "pipeline" else keepalive_flood,
+                              "127.0.0.1", port, n)
+            flood_thread = threading.Thread(target=flood_args[0],
+                                            args=(*flood_args[1:], flood_stop, flood_count),
                                             daemon=True)
             flood_thread.start()
+            flood_on_t = now
             probe_thread = threading.Thread(target=first_reply_probe,
                                             args=("127.0.0.1", port, flood_stop, probe_s),
                                             daemon=True)
             probe_thread.start()
             flood_on = el
             events.append(f"{a.flood} flood ({n} connections)")
+        if (a.flood == "hoard" and late_started is None and flood_on is not None
+                and el >= flood_on + 1.0):
+            late = ctx.Process(target=engine_main, args=(n_engines, eargs, hello.pack(), out,
+                                                         killed, stop), daemon=True)
+            late.start()
+            procs.append(late)
+            late_started = time.time()
+            n_engines += 1
+            events.append(f"one more engine ({flood_count[0]} sessions hoarded)")
         if flood_thread is not None and flood_off is None and el >= a.kill_at * a.duration:
             flood_stop.set()
             flood_off = el
+            flood_off_t = now
             events.append(f"{a.flood} flood stopped")
         if fuzz_thread is None and el >= a.fuzz_at * a.duration:
             fuzz_thread = threading.Thread(
@@ -549,6 +719,10 @@ def main(argv: list[str] | None = None) -> int:
                 ph[1] += msg[3]
                 ph[2] += msg[5]
                 ph[3].extend(msg[4])
+            elif msg[0] == "first_ok" and msg[1] >= a.engines:
+                late_first_ok = msg[2]
+                events.append(f"the late engine drafts, {msg[2] - (late_started or 0):.2f} s"
+                              " after its start")
             elif msg[0] == "error":
                 errors.append(f"engine {msg[1]}: {msg[2]}")
         if time.monotonic() >= next_print:
@@ -571,15 +745,18 @@ def main(argv: list[str] | None = None) -> int:
             break
     stop.set()
     deadline = time.monotonic() + 120
-    while len(done) + len(errors) < a.engines and time.monotonic() < deadline:
+    while len(done) + len(errors) < n_engines and time.monotonic() < deadline:
         try:
             msg = out.get(timeout=1.0)
         except queue.Empty:
             continue
         if msg[0] == "done":
             done[msg[1]] = msg[2]
+        elif msg[0] == "first_ok" and msg[1] >= a.engines and late_first_ok is None:
+            late_first_ok = msg[2]
         elif msg[0] == "error":
             errors.append(f"engine {msg[1]}: {msg[2]}")
+    cpu_stop.set()
     for pr in procs:
         pr.join(10)
         if pr.is_alive():
@@ -597,8 +774,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- verdict ------------------------------------------------------------------------------
     failures += errors
-    if len(done) < a.engines:
-        failures.append(f"only {len(done)} of {a.engines} engines reported")
+    if len(done) < n_engines:
+        failures.append(f"only {len(done)} of {n_engines} engines reported")
     fuzz_sent = sum(fuzz_count)
     if fuzz_sent < a.fuzz_frames:
         failures.append(f"fuzz storm sent {fuzz_sent} frames, fewer than {a.fuzz_frames}")
@@ -678,6 +855,22 @@ def main(argv: list[str] | None = None) -> int:
             "max_ms": round(max(finite, default=float("nan")) * 1e3, 2)}
         flood["flood_replies_or_closes"] = sum(flood_count)
         print(f"new connections during the flood: {flood['new_connection']}")
+        t_end = flood_off_t or time.monotonic()
+        flood["worker_cpu_cores"] = {
+            "before": round(cpu_share(cpu, flood_on_t - 5.0, flood_on_t), 2),
+            "flood": round(cpu_share(cpu, flood_on_t, t_end), 2),
+            "after_by_second": [round(cpu_share(cpu, t_end + i, t_end + i + 1), 2)
+                                for i in range(5)]}
+        print(f"worker CPU (cores): {flood['worker_cpu_cores']}")
+        if a.flood == "hoard":
+            took = (late_first_ok - late_started if late_first_ok is not None
+                    and late_started is not None else None)
+            flood["late_engine_first_ok_s"] = None if took is None else round(took, 2)
+            flood["hoarded_sessions_at_end"] = flood_count[0]
+            flood["hoard_hellos_refused"] = flood_count[1]
+            print(f"the engine started during the hoard drafted after {took} s")
+            if took is None:
+                failures.append("the engine started during the hoard never drafted")
         if len(finite) < len(probe_s):
             failures.append(f"{len(probe_s) - len(finite)} new connections got no reply"
                             " during the flood")

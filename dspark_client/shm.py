@@ -105,6 +105,21 @@ class ShmRegion:
         self.close()
 
 
+def _which_limit(status: int, nbytes: int, rep: ShmAttachReply | None) -> str:
+    """The limit a refused region met, from the reply (13.2: on ST_LIMITS its region_bytes is
+    the largest region the worker could map for the session now)."""
+    if rep is None:
+        return ""
+    if status != wire.ST_LIMITS:
+        return f" (the worker's limit per region is {rep.max_region_bytes} bytes)"
+    if nbytes > rep.max_region_bytes:
+        return (f": over the worker's limit per region, {rep.max_region_bytes} bytes (its"
+                " --max-shm-region-bytes)")
+    return (f": the worker could map {rep.region_bytes} bytes for this session now; its cap on"
+            " the regions of all connections together (--max-shm-mapped-bytes) is taken by"
+            " others, or the region is larger than this session's largest STEP")
+
+
 def attach(conn: Any, region: ShmRegion, session: int, next_seq: Callable[[], int],
            timeout: float) -> tuple[bool, str]:
     """OFFER then MAP on ``conn`` (a connected ``SocketClient`` whose session is HELLOed).
@@ -125,9 +140,9 @@ def attach(conn: Any, region: ShmRegion, session: int, next_seq: Callable[[], in
         rep = ShmAttachReply.unpack(body) if len(body) == 16 else None
         if h.status != wire.ST_OK:
             name = wire.FRAME_STATUS_NAMES.get(h.status, str(h.status))
-            limit = f" (the worker's limit is {rep.max_region_bytes} bytes)" if rep else ""
             return False, (f"SHM_ATTACH {'OFFER' if phase == SHM_OFFER else 'MAP'} of"
-                           f" {region.nbytes} bytes refused: {name}{limit}")
+                           f" {region.nbytes} bytes refused: {name}"
+                           f"{_which_limit(h.status, region.nbytes, rep)}")
         if rep is None:
             raise wire.WireError(f"SHM_ATTACH reply body is {len(body)} bytes, not 16")
     return True, ""

@@ -145,7 +145,9 @@ def _device_dtype(config: WorkerConfig) -> tuple[str, Any]:
 
 
 def load_drafter_for(config: WorkerConfig) -> Any:
-    """Load and return the drafter the config names (slow: run it off the event loop)."""
+    """Load and return the drafter the config names (slow: run it off the event loop). A
+    folder it cannot serve raises ``drafter.CheckpointRefused`` before any of the drafter's
+    memory is allocated, host or device."""
     from .drafter import load_drafter
 
     device, dtype = _device_dtype(config)
@@ -281,9 +283,11 @@ class WorkerApp:
             try:
                 self.drafter = await loop.run_in_executor(self._device, load_drafter_for, c)
             except Exception as exc:
-                # The checkpoint's own errors say what is wrong in words; anything else is a
-                # surprise, and its class name helps.
-                what = str(exc) if isinstance(exc, ValueError | OSError) \
+                from .drafter import CheckpointRefused
+
+                # A refused folder says what is wrong in words, naming key, value and limit;
+                # anything else is a surprise, and its class name helps.
+                what = str(exc) if isinstance(exc, CheckpointRefused | OSError) \
                     else f"{type(exc).__name__}: {exc}"
                 raise StartupError(f"cannot load the drafter ({c.checkpoint or 'embedded'}):"
                                    f" {what}") from exc
@@ -322,8 +326,12 @@ class WorkerApp:
         if c.warmup:
             self.phase = "warming up"
             t1 = time.perf_counter()
-            await loop.run_in_executor(self._device, d.warmup)
-            broken = await loop.run_in_executor(self._device, self_check, d)
+            try:
+                await loop.run_in_executor(self._device, d.warmup)
+                broken = await loop.run_in_executor(self._device, self_check, d)
+            except Exception as exc:
+                raise StartupError(f"cannot warm up the drafter: {type(exc).__name__}:"
+                                   f" {exc}") from exc
             log.info("warmed up in %.2f s", time.perf_counter() - t1)
             if broken is not None:
                 log.error("the drafter's own check failed: %s; /healthz answers 503 and every"
@@ -334,7 +342,7 @@ class WorkerApp:
             worker_name=c.resolved_worker_name, drafter_identity=d.drafter_identity,
             markov_identity=d.markov_identity, window=c.window, num_spec=d.num_spec,
             row_bytes=d.row_bytes, vocab_size=d.vocab_size, n_taps=d.n_taps,
-            hidden=d.target_hidden, max_slots=c.max_slots,
+            hidden=d.target_hidden, max_slots=c.session_slots,
             max_rows_per_step=c.max_rows_per_step,
             capabilities=CAP_TAPS_BF16 | CAP_MARGIN | CAP_TOP32
             | (0 if has_confidence else CAP_NO_CONFIDENCE),
@@ -350,7 +358,10 @@ class WorkerApp:
                  first.weights_bytes / 2**20)
         table = SessionTable(max_sessions=c.max_sessions, lane_capacity=c.max_total_slots,
                              idle_s=c.session_idle_s, unused_idle_s=c.handshake_timeout_s,
-                             max_per_peer=c.sessions_per_peer)
+                             max_per_peer=c.sessions_per_peer,
+                             lanes_per_connection=c.slots_per_connection,
+                             lanes_per_peer=c.slots_per_peer,
+                             reservation_idle_s=c.reservation_idle_s)
         holder: dict[str, Dispatcher] = {}
         self.runner = Runner(d, self.pool, window=c.window,
                              complete=lambda item: holder["d"].complete(item),
@@ -699,6 +710,9 @@ class WorkerApp:
         return {"max_slots": c.max_slots, "max_rows_per_step": c.max_rows_per_step,
                 "max_sessions": c.max_sessions, "max_total_slots": c.max_total_slots,
                 "max_sessions_per_peer": c.sessions_per_peer,
+                "max_slots_per_connection": c.slots_per_connection,
+                "max_slots_per_peer": c.slots_per_peer,
+                "reservation_idle_s": c.reservation_idle_s,
                 "max_connections": c.max_connections,
                 "max_frame_bytes": frame_limit(c, row_bytes),
                 "max_shm_region_bytes": c.max_shm_region_bytes if c.unix else 0,

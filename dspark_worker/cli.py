@@ -33,6 +33,7 @@ from .config import (
     DEFAULT_MAX_VERSIONS,
     DEFAULT_METRICS_LISTEN,
     DEFAULT_PARTIAL_FRAME_TIMEOUT_S,
+    DEFAULT_RESERVATION_IDLE_S,
     DEFAULT_SESSION_IDLE_S,
     DEFAULT_SHED_QUEUE_STEPS,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -90,6 +91,19 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
     ("max_total_slots", "N", int,
      f"window rings reserved at start for all sessions together; a HELLO whose max_slots"
      f" does not fit in what is free gets ST_BUSY. Default: {DEFAULT_MAX_TOTAL_SLOTS}."),
+    ("max_slots_per_connection", "N", int,
+     "most slots the sessions bound to one connection may reserve together; a HELLO over it"
+     " gets ST_BUSY. Default: 0 = max_slots (one full session)."),
+    ("max_slots_per_peer", "N", int,
+     "most slots the sessions of one peer host (all Unix connections together) may reserve"
+     " together; a HELLO over it gets ST_BUSY. Raise it to serve several engines from one"
+     " host. Default: 0 = max_total_slots - max_slots, at least max_slots (room for a full"
+     " session from another host: 256 of 512 at the defaults)."),
+    ("reservation_idle_s", "SECONDS", float,
+     f"a session that sent no STEP for this long (since its HELLO or its last STEP) gives"
+     f" its slots up to a HELLO that would not fit otherwise (dropped, reason unused). An"
+     f" idle engine keeps them while nobody needs them. Default:"
+     f" {DEFAULT_RESERVATION_IDLE_S:g}."),
     ("max_connections", "N", int,
      f"open connections. At the limit a new one pushes out the oldest connection that holds"
      f" no session; when every one holds a session it is closed at once. Default:"

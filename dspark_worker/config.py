@@ -36,6 +36,12 @@ DEFAULT_MAX_SESSIONS: Final = 64
 # Window rings reserved at start for all sessions together (section 8): two engines of 256 slots.
 # The ring memory is max_total_slots * W * (per-position K/V bytes); it is logged at start.
 DEFAULT_MAX_TOTAL_SLOTS: Final = 512
+# A session that sent no STEP for this long (since its HELLO, or its last STEP) gives its lanes
+# up to a HELLO that would not fit otherwise: an engine steps every few milliseconds while it
+# serves, so lanes unused this long are a reservation left behind, or a stranger's hoard (and
+# a new engine waits this long at most for them). An idle engine keeps its lanes while nobody
+# needs them. As LIVE_SESSION_S: such a session no longer counts as in use either.
+DEFAULT_RESERVATION_IDLE_S: Final = 5.0
 # Open connections: an engine holds one per rank-0 process; more is a leak or a flood.
 DEFAULT_MAX_CONNECTIONS: Final = 256
 # 6.2: a session with no frame for this long is dropped with its windows.
@@ -137,6 +143,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_sessions: int = DEFAULT_MAX_SESSIONS
     max_sessions_per_peer: int = 0  # 0: max_sessions
     max_total_slots: int = DEFAULT_MAX_TOTAL_SLOTS
+    max_slots_per_connection: int = 0  # 0: max_slots
+    max_slots_per_peer: int = 0  # 0: room left for one more max_slots session from elsewhere
+    reservation_idle_s: float = DEFAULT_RESERVATION_IDLE_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_frame_bytes: int = 0  # 0: the largest legal STEP for max_slots and max_rows_per_step
     max_shm_region_bytes: int = DEFAULT_MAX_SHM_REGION_BYTES
@@ -173,6 +182,25 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return min(self.max_sessions_per_peer or self.max_sessions, self.max_sessions)
 
     @property
+    def slots_per_connection(self) -> int:
+        """Lanes the sessions of one connection may reserve together: one full session."""
+        return self.max_slots_per_connection or self.max_slots
+
+    @property
+    def slots_per_peer(self) -> int:
+        """Lanes the sessions of one peer host may reserve together; by default what leaves
+        a full ``max_slots`` session's room for an engine on another host (at the defaults,
+        256 of 512), and never less than one such session."""
+        return self.max_slots_per_peer or max(self.max_total_slots - self.max_slots,
+                                              self.max_slots)
+
+    @property
+    def session_slots(self) -> int:
+        """The most slots one HELLO may ask for (HelloReply's max_slots): ``max_slots``, or a
+        smaller share per connection or peer, which such a session could never fit."""
+        return min(self.max_slots, self.slots_per_connection, self.slots_per_peer)
+
+    @property
     def resolved_worker_name(self) -> str:
         return self.worker_name or default_worker_name()
 
@@ -201,6 +229,11 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
         out.append(("max_sessions_per_peer", c.max_sessions_per_peer,
                     "is not a non-negative integer (0: max_sessions)"))
     positive_int("max_total_slots")
+    for field in ("max_slots_per_connection", "max_slots_per_peer"):
+        v = getattr(c, field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            out.append((field, v, "is not a non-negative integer (0: the default share)"))
+    positive_seconds("reservation_idle_s")
     positive_int("max_connections")
     if isinstance(c.max_versions, bool) or not isinstance(c.max_versions, int) \
             or c.max_versions < 2:
@@ -433,6 +466,11 @@ def config_warnings(config: WorkerConfig, row_bytes: int) -> list[str]:
         out.append(f"max_slots {config.max_slots} is above max_total_slots"
                    f" {config.max_total_slots}: a session can use at most"
                    f" {config.max_total_slots} slots, and a HELLO asking for more gets ST_BUSY")
+    if config.session_slots < config.max_slots:
+        out.append(f"max_slots_per_connection {config.slots_per_connection} or"
+                   f" max_slots_per_peer {config.slots_per_peer} is below max_slots"
+                   f" {config.max_slots}: a HELLO may ask for {config.session_slots} slots at"
+                   " most (more gets ST_LIMITS)")
     if config.unix and 0 < config.max_shm_mapped_bytes < config.max_shm_region_bytes:
         out.append(f"max_shm_mapped_bytes {config.max_shm_mapped_bytes} is below"
                    f" max_shm_region_bytes {config.max_shm_region_bytes}: a region larger than"

@@ -45,7 +45,9 @@ go only to its own connection)::
                         "device_room": {"gap_ms": float | null, "chunk_ms": float | null},
                         "acceptance": ACCEPTANCE, "serving_acceptance": ACCEPTANCE},
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
-                 "max_connections", "max_frame_bytes", "session_idle_s",
+                 "max_sessions_per_peer", "max_slots_per_connection", "max_slots_per_peer",
+                 "reservation_idle_s", "max_connections", "max_frame_bytes",
+                 "max_shm_region_bytes", "max_shm_mapped_bytes", "session_idle_s",
                  "partial_frame_timeout_s", "handshake_timeout_s", "connection_idle_s",
                  "shed_queue_steps"},
       "threads": int, "connections": int, "queue_steps": int,
@@ -127,8 +129,10 @@ from protocol.constants import (
     SAMPLE_TOP32,
     SF_ROWS_SHM,
     ST_AUTH,
+    ST_BUSY,
     ST_DRAINING,
     ST_INTERNAL,
+    ST_LIMITS,
     ST_NO_SESSION,
     ST_OK,
     ST_VERSION,
@@ -174,6 +178,11 @@ AUTH_WINDOW_S = 60.0
 # A STATS body for connections without a session is reused for this long at most (while no
 # other frame came): a peer pipelining STATS gets the same bytes, not a fresh JSON each time.
 STATS_CACHE_S = 0.25
+# ... and rebuilt at most this often for what only moves its counters (each STEP, each
+# connection opened or closed): a body costs about a millisecond, so strangers' STATS cost at
+# most 2% of the loop however many ask while engines step. A session created or dropped makes
+# it fresh at once.
+STATS_REBUILD_S = 0.05
 
 Buffer = bytes | bytearray | memoryview
 
@@ -351,14 +360,18 @@ class Dispatcher:
         self._reload_nonces: OrderedDict[bytes, float] = OrderedDict()
         # Section 13: shared-memory rows regions (max_region_bytes 0: none offered).
         self.shm = shm if shm is not None else ShmOps(0)
+        self.shm.make_room = self._unused_regions_give_way
         self._refusal_log = RateLimitedLog(log)
-        # Bumped by every frame but PING and STATS, every STEP answered and every session
-        # dropped: a cached STATS body is reused only while it stays the same.
+        # Bumped by every frame but PING, STATS and STEP, and every session dropped or
+        # version added: a cached STATS body is reused only while it stays the same.
         self.state_version = 0
+        # Bumped by what only moves the body's counters (STEPs, connections opened and
+        # closed): the body is rebuilt for them at most every STATS_REBUILD_S.
+        self.counters_version = 0
         # Why the drafter's latest outputs were refused (not finite), until a STEP drafts
         # finite values again; /healthz answers 503 meanwhile.
         self.outputs_broken: str | None = None
-        self._stats_cache: tuple[tuple[int, bool, bool], float, bytes] | None = None
+        self._stats_cache: tuple[tuple[int, bool, bool], float, bytes, int] | None = None
         # peer host -> (window start, HELLOs whose tag did not verify since)
         self._auth_failures: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._dropped_counts: dict[str, int] = {}
@@ -399,7 +412,9 @@ class Dispatcher:
                                     field="status", value=h.status, limit=0)
             if self.draining and h.op in (OP_HELLO, OP_STEP):
                 raise DrainingError("the worker is shutting down; connect to another worker")
-            if h.op not in (OP_PING, OP_STATS):
+            if h.op == OP_STEP:
+                self.counters_version += 1
+            elif h.op not in (OP_PING, OP_STATS):
                 self.state_version += 1
             if fr.discarded:  # section 3: the connection's session is gone; the body was dropped
                 raise NoSessionError(
@@ -442,11 +457,14 @@ class Dispatcher:
         if h.op == OP_HELLO:
             body = self.info.hello_reply().pack()
             self.metrics.hello_refusals.labels(status=FRAME_STATUS_NAMES[status]).inc()
-        elif h.op == OP_SHM_ATTACH:
-            body = self.shm.reply(0)
+        elif h.op == OP_SHM_ATTACH:  # on ST_LIMITS: the largest region it could map (13.2)
+            s = self.table.get(h.session) if status == ST_LIMITS else None
+            body = self.shm.reply(self.shm.room(self._rows_bytes(s)) if s is not None else 0)
         self.metrics.frame(h.op, status)
         what = f"{h.op_name} {FRAME_STATUS_NAMES[status]} refusals from {conn.peer_host}"
-        self._refusal_log.warning((conn.peer_host, h.op, status), what,
+        # ST_BUSY says which limit: each limit's line is logged, not only the first one's
+        limit = exc.field if status == ST_BUSY else None
+        self._refusal_log.warning((conn.peer_host, h.op, status, limit), what,
                                   "%s seq %d session %#010x from %s refused %s: %s%s",
                                   h.op_name, h.seq, h.session, conn.peer,
                                   FRAME_STATUS_NAMES[status], exc,
@@ -503,20 +521,23 @@ class Dispatcher:
         before = self.table.get(h.session)
         moved_from = before.conn_id if before is not None else 0
         result = self.table.hello(h.session, h.seq, hello, conn.conn_id, now, live,
-                                  conn.peer_host)
+                                  conn.peer_host, self.connected)
         if moved_from and moved_from != conn.conn_id:
             self.session_left(moved_from)
         for s, reason in result.dropped:
-            self._dropped(s, reason, f"by session {h.session:#010x} from {conn.peer}")
+            self._dropped(s, reason, f"its {s.max_slots} slots, without a STEP for"
+                          f" {now - s.last_step_at:.1f} s, went to session {h.session:#010x}"
+                          f" from {conn.peer}" if reason is DropReason.UNUSED
+                          else f"by session {h.session:#010x} from {conn.peer}")
         for other in result.kept:
             self._refusal_log.warning(
                 ("shared_client_name", hello.client_name),
                 f"HELLOs sharing client name {hello.client_name!r}",
-                "client name %r: session %#010x from %s is kept beside session %#010x (its"
-                " connection is open and it was active %.1f s ago): two engines use this client"
-                " name; give each engine its own, so that a respawn clears only its own state",
-                hello.client_name, other.session_id, conn.peer, h.session,
-                now - other.last_active)
+                "client name %r: session %#010x (from %s, its connection open, active %.1f s"
+                " ago) is kept beside the new session %#010x from %s: two engines use this"
+                " client name, or a stranger claims it; give each engine its own, so that a"
+                " respawn clears only its own state", hello.client_name, other.session_id,
+                other.peer, now - other.last_active, h.session, conn.peer)
         s = result.session
         conn.session_id = s.session_id
         if result.outcome is not Outcome.RESUMED:
@@ -660,7 +681,7 @@ class Dispatcher:
     def complete(self, item: StepItem) -> None:
         """The runner is done with a STEP (loop thread): reply, account, recycle its buffer."""
         t_back = time.perf_counter()
-        self.state_version += 1
+        self.counters_version += 1
         conn, h, m = item.conn, item.header, self.metrics
         conn.release_storage(item.storage)
         item.storage = None
@@ -749,8 +770,11 @@ class Dispatcher:
         now = self.clock()
         key = (self.state_version, self.draining, self.ready)
         cached = self._stats_cache
-        if cached is None or cached[0] != key or now - cached[1] >= STATS_CACHE_S:
-            cached = self._stats_cache = (key, now, msgspec.json.encode(self.stats()))
+        age = now - cached[1] if cached is not None else STATS_CACHE_S
+        if (cached is None or age >= STATS_CACHE_S or cached[0] != key
+                or (cached[3] != self.counters_version and age >= STATS_REBUILD_S)):
+            cached = self._stats_cache = (key, now, msgspec.json.encode(self.stats()),
+                                          self.counters_version)
         return self._ok(h, cached[2])
 
     def _reset(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
@@ -804,9 +828,32 @@ class Dispatcher:
     def _shm_attach(self, conn: Conn, fr: Frame, t_arrival: float) -> Reply:
         h = fr.header
         s = self.table.bound(h.session, conn.conn_id, h.seq)
-        body = self.shm.attach(conn, fr)
+        body = self.shm.attach(conn, fr, self._rows_bytes(s))
         self.table.touch(s, h.seq, self.clock())
         return self._ok(h, body)
+
+    def _rows_bytes(self, s: Session) -> int:
+        """The rows of the session's largest STEP: what a region of it can hold at most."""
+        return s.hello.max_rows_per_step * self.info.row_bytes
+
+    def _unused_regions_give_way(self, need: int) -> None:
+        """SHM_ATTACH finds the regions' cap full: connections whose sessions all went
+        reservation_idle_s without a STEP let go of them (and so of their regions), the
+        largest region first, until ``need`` bytes are free; as a HELLO takes unused lanes."""
+        now = self.clock()
+        sessions: dict[int, list[Session]] = {}
+        for s in self.table:
+            sessions.setdefault(s.conn_id, []).append(s)
+        for conn_id, nbytes in sorted(self.shm.by_connection.items(), key=lambda kv: -kv[1]):
+            if need <= 0:
+                return
+            mine = sessions.get(conn_id, [])
+            if mine and all(self.table.unused(s, now) for s in mine):
+                for s in mine:
+                    self._drop(s, DropReason.UNUSED, f"its connection's {nbytes}-byte"
+                               " shared-memory region, unused (no STEP for"
+                               f" {now - s.last_step_at:.1f} s), was needed by another")
+                need -= nbytes
 
     # -- sessions ---------------------------------------------------------------------------------
     def expire_idle(self) -> int:

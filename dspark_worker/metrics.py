@@ -22,6 +22,9 @@ dspark_worker_connections_total             counter    connections accepted
 dspark_worker_connections_refused_total     counter    connections closed at once (limit)
 dspark_worker_connections_closed_total      counter    reason: peer, bad_magic, too_large,
                                                        handshake_timeout, idle_timeout, ...
+dspark_worker_stranger_waits_total          counter    kind (hello, other), limit (peer,
+                                                       worker): frames without a session held
+                                                       back by a rate (admission.py)
 dspark_worker_sessions                      gauge      sessions held
 dspark_worker_active_slots                  gauge      slots with a live generation
 dspark_worker_connections_open              gauge      connections open
@@ -167,6 +170,10 @@ class Metrics:
         self.connections_closed = Counter(f"{p}_connections_closed",
                                           "Connections closed, by reason.", ["reason"],
                                           registry=r)
+        self.stranger_waits = Counter(f"{p}_stranger_waits",
+                                      "Frames of connections without a session held back by"
+                                      " a rate (kind hello or other; limit peer or worker).",
+                                      ["kind", "limit"], registry=r)
         self.sessions = Gauge(f"{p}_sessions", "Sessions held.", registry=r)
         self.active_slots = Gauge(f"{p}_active_slots", "Slots with a live generation.",
                                   registry=r)

@@ -24,19 +24,23 @@
 * ``MetricsServer`` is a small HTTP/1.0 server for ``/metrics`` (Prometheus text format),
   ``/healthz`` (readiness: 200 once the drafter is loaded and warm, 503 before and while
   draining) and ``/livez`` (liveness: 200 while the process serves, 503 once its runner died).
-  It holds at most ``MAX_HTTP_CONNECTIONS`` connections (a new one pushes out the oldest that
-  has not finished its request) and gives each request ``HTTP_TIMEOUT_S``.
+  It runs on an event loop and thread of its own, so probes are answered in milliseconds
+  however busy the draft port is, and a flood of the metrics port costs the engines nothing
+  but CPU. It holds at most ``MAX_HTTP_CONNECTIONS`` connections (a new one pushes out the
+  oldest that has not finished its request) and gives each request ``HTTP_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import itertools
 import logging
 import os
 import socket
+import threading
 import time
 import weakref
 from collections import deque
@@ -45,11 +49,20 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from protocol.constants import MAGIC, OP_GOODBYE, OP_RESET, OP_SHM_ATTACH, OP_STEP
+from protocol.constants import (
+    MAGIC,
+    OP_GOODBYE,
+    OP_HELLO,
+    OP_RESET,
+    OP_SHM_ATTACH,
+    OP_STATS,
+    OP_STEP,
+)
 from protocol.errors import FrameHeaderError, FrameTooLargeError
 from protocol.framing import Frame, FrameDecoder
 from protocol.header import AppHeader
 
+from .admission import HELLO, OTHER, Gate
 from .buffers import BufferPool
 from .config import (
     DEFAULT_CONNECTION_IDLE_S,
@@ -80,11 +93,10 @@ SESSION_OPS = frozenset({OP_STEP, OP_RESET, OP_GOODBYE, OP_SHM_ATTACH})
 # turn (and reading pauses meanwhile): a peer pipelining thousands of cheap frames in one
 # receive cannot hold the loop while other connections and new ones wait.
 FRAMES_PER_TURN = 4
-# A connection without a session (PING, STATS, HELLO attempts) is answered at most this many
-# frames per second after a burst: a health checker or a tool sends a few, a peer that sends
-# more waits (with reading paused), so floods of them cannot take the loop from the engines.
-SESSIONLESS_FRAMES_PER_S = 100.0
-SESSIONLESS_BURST = 32
+# A connection without a session that leaves this much of its replies unread (they wait in
+# the worker, the kernel's buffers being full) is closed: a peer that sends and never reads
+# would otherwise hold answers nobody takes.
+SESSIONLESS_UNREAD_BYTES = 64 << 10
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -114,8 +126,8 @@ class Connection(asyncio.BufferedProtocol):
         self.read_paused = False
         self.write_paused = False
         self._pump_soon = False  # a _pump is scheduled for the next loop turn
-        self._tokens = float(SESSIONLESS_BURST)  # frames answered while without a session
-        self._tokens_at = time.monotonic()
+        self._admitted = False  # the gate took a token for the next frame (no session here)
+        self.answered = 0  # frames the gate let through while without a session
         self._reply_buf: bytearray | None = None
         self._partial_since: float | None = None
         self._partial_timer: asyncio.TimerHandle | None = None
@@ -210,6 +222,7 @@ class Connection(asyncio.BufferedProtocol):
             f, _ = self.pending.popleft()
             self.server.buffers.release(f.storage)
         self.shm.close()  # unmapped now, or as the in-flight STEP's rows view goes
+        self.server.gate.forget(self.peer_host, self)
         self.server.unregister(self, self.close_reason if exc is None else "error")
 
     def pause_writing(self) -> None:
@@ -296,11 +309,9 @@ class Connection(asyncio.BufferedProtocol):
                 self._pump_soon = True
                 asyncio.get_running_loop().call_soon(self._pump_later)
                 break
-            wait = 0.0 if self.has_session else self._take_token()
-            if wait > 0:  # a connection without a session past its rate: later
-                self._pump_soon = True
-                asyncio.get_running_loop().call_later(wait, self._pump_later)
-                break
+            head = self.pending[0][0].header
+            if (not self.has_session or head.op == OP_STATS) and not self._admit(head):
+                break  # its peer's or the worker's rate for strangers: the gate calls back
             budget -= 1
             fr, t_arrival = self.pending.popleft()
             reply = self.dispatcher.handle(self, fr, t_arrival)
@@ -320,18 +331,27 @@ class Connection(asyncio.BufferedProtocol):
             self.read_paused = False
             self.transport.resume_reading()
 
-    def _take_token(self) -> float:
-        """Token bucket of a connection without a session: 0 and one token taken, or the
-        seconds until the next one."""
-        now = time.monotonic()
-        tokens = min(float(SESSIONLESS_BURST),
-                     self._tokens + (now - self._tokens_at) * SESSIONLESS_FRAMES_PER_S)
-        self._tokens_at = now
-        if tokens >= 1.0:
-            self._tokens = tokens - 1.0
-            return 0.0
-        self._tokens = tokens
-        return (1.0 - tokens) / SESSIONLESS_FRAMES_PER_S
+    def _admit(self, h: AppHeader) -> bool:
+        """A frame of a connection without a session, or a STATS of any (a JSON body of a
+        millisecond, never on an engine's round), through the gate (admission.py). False: it
+        waits; ``admitted`` pumps again once its turn has come."""
+        if self._admitted:
+            self._admitted = False
+            return True
+        if self.transport is not None and not self.has_session and \
+                self.transport.get_write_buffer_size() > SESSIONLESS_UNREAD_BYTES:
+            self.server.bad_stream(self, "unread", f"{self.transport.get_write_buffer_size()}"
+                                   " bytes of replies not read")
+            self._close("unread")
+            return False
+        kind = HELLO if h.op == OP_HELLO else OTHER
+        return self.server.gate.admit(self.peer_host, kind, self)
+
+    def admitted(self) -> None:
+        self._admitted = True
+        if not self._pump_soon:
+            self._pump_soon = True
+            asyncio.get_running_loop().call_soon(self._pump_later)
 
     def _pump_later(self) -> None:
         if self._pump_soon:
@@ -498,6 +518,8 @@ class WorkerServer:
         self._servers: list[asyncio.AbstractServer] = []
         self._log = RateLimitedLog(log)
         self._sweeper: asyncio.Task[None] | None = None
+        self.gate = Gate(on_wait=lambda kind, limit: metrics.stranger_waits.labels(
+            kind=kind, limit=limit).inc())
         dispatcher.connected = lambda conn_id: conn_id in self.connections
         dispatcher.session_left = self._session_left
 
@@ -576,22 +598,26 @@ class WorkerServer:
 
     def _make_room(self, conn: Connection) -> None:
         """Connections without a session go first (section 11): a new connection from a peer
-        that holds ``MAX_SESSIONLESS_PER_PEER`` of them closes that peer's oldest, and at the
-        connection limit a new one closes the oldest of all; so PINGs that keep idle
-        connections open cannot keep an engine out. Connections that hold a session, or have
-        a STEP with the runner, are never pushed out."""
-        # (Frames waiting on such a connection do not protect it: a peer that pipelines PINGs
-        # past its rate always has some.)
+        that holds ``MAX_SESSIONLESS_PER_PEER`` of them closes one of those, and at the
+        connection limit a new one closes one of all; so PINGs that keep idle connections open
+        cannot keep an engine out. The one closed has the most frames waiting unanswered (a
+        peer pipelining past its rate), the oldest among equals: a health checker's single
+        PING outlives a flood's bursts. Connections that hold a session, or have a STEP with
+        the runner, are never pushed out."""
         idle = [c for c in self.connections.values()
                 if not c.closing and not c.busy and not c.has_session]
         mine = [c for c in idle if c.peer_host == conn.peer_host]
         victim: Connection | None = None
+
+        def greediest(c: Connection) -> tuple[int, int]:
+            return -len(c.pending), c.conn_id
+
         if len(mine) >= MAX_SESSIONLESS_PER_PEER:
-            victim = min(mine, key=lambda c: c.conn_id)
+            victim = min(mine, key=greediest)
             why = (f"{len(mine)} connections without a session from {conn.peer_host}, the limit"
                    f" per peer is {MAX_SESSIONLESS_PER_PEER}")
         elif len(self.connections) >= self.max_connections and idle:
-            victim = min(idle, key=lambda c: c.conn_id)
+            victim = min(idle, key=greediest)
             why = (f"{len(self.connections)} connections open, the limit is"
                    f" {self.max_connections}")
         if victim is None:
@@ -616,7 +642,7 @@ class WorkerServer:
                               f" {self.max_connections}")
             return False
         self.connections[conn.conn_id] = conn
-        self.dispatcher.state_version += 1
+        self.dispatcher.counters_version += 1
         self.metrics.connections_total.inc()
         self.metrics.connections.set(len(self.connections))
         log.debug("connection %d from %s (%s)", conn.conn_id, conn.peer, conn.kind)
@@ -625,7 +651,7 @@ class WorkerServer:
     def unregister(self, conn: Connection, reason: str) -> None:
         if self.connections.pop(conn.conn_id, None) is None:
             return
-        self.dispatcher.state_version += 1
+        self.dispatcher.counters_version += 1
         self.metrics.connections.set(len(self.connections))
         self.metrics.connections_closed.labels(reason=reason).inc()
         log.debug("connection %d from %s closed: %s", conn.conn_id, conn.peer, reason)
@@ -761,11 +787,24 @@ HTTP_TIMEOUT_S = 2.0
 # new connection pushes out the oldest one that has not sent its whole request, so idle
 # connections cannot keep a scrape out.
 MAX_HTTP_CONNECTIONS = 32
+# Connections the kernel queues before they are accepted. Short, as a queue in front of a busy
+# server should be: under a flood of thousands of connections a second a probe waits behind
+# at most this many (milliseconds) instead of seconds of them (1,024 queued: p90 1.9 s, 128:
+# 7 ms, bench/README.md "The metrics port under a flood").
+HTTP_BACKLOG = 128
 # A connection that opens with a frame header's magic is an engine or a tool given this port
 # instead of --listen: it is told so at once, not after the timeout.
 _FRAME_START = MAGIC.to_bytes(4, "little")
 _NOT_HERE = (b"this is a dspark worker's metrics port (--metrics-listen): dspark frames go"
              b" to its --listen address\n")
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency of the worker
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def http_400(text: bytes) -> bytes:
@@ -775,7 +814,11 @@ def http_400(text: bytes) -> bytes:
 
 
 class MetricsServer:
-    """``GET /metrics`` and ``GET /healthz`` over HTTP/1.0-style one-shot connections."""
+    """``GET /metrics`` and ``GET /healthz`` over HTTP/1.0-style one-shot connections, served
+    from a thread of its own (``health`` and ``liveness`` are called there: they read
+    attributes; the registry's collectors read the loop's counters under the GIL). A
+    connection is a plain protocol (no stream, no task): one costs tens of microseconds, so a
+    flood of them does not hold the accept queue."""
 
     def __init__(self, registry: CollectorRegistry, health: Callable[[], tuple[bool, str]],
                  liveness: Callable[[], tuple[bool, str]] | None = None, *,
@@ -788,108 +831,187 @@ class MetricsServer:
         self.timeout_s = timeout_s
         self._server: asyncio.AbstractServer | None = None
         self.address: tuple[str, int] | None = None
-        # writer -> whether its request is still being read; in order of arrival
-        self._open: dict[asyncio.StreamWriter, bool] = {}
+        # connection -> whether its request is still being read; in order of arrival
+        self._open: dict[_HttpConnection, bool] = {}
         self.pushed_out = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._done: asyncio.Event | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
+        """Bind (OSError at once for a busy port or a bad host), then serve on the thread."""
         sock = bind_tcp(host, port)
-        sock.listen(128)
-        self._server = await asyncio.start_server(self._handle, sock=sock,
-                                                  limit=MAX_HTTP_REQUEST_BYTES)
-        addr = self._server.sockets[0].getsockname()
-        self.address = (addr[0], addr[1])
+        sock.listen(HTTP_BACKLOG)
+        started: concurrent.futures.Future[tuple[str, int]] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._serve, args=(sock, started),
+                                        name="dspark-metrics", daemon=True)
+        self._thread.start()
+        self.address = await asyncio.wrap_future(started)
         return self.address
 
-    async def stop(self) -> None:
-        if self._server is not None:
+    def _serve(self, sock: socket.socket, started: concurrent.futures.Future[Any]) -> None:
+        loop = _new_loop()
+        self._loop = loop
+
+        async def main() -> None:
+            self._done = asyncio.Event()
+            try:
+                self._server = await loop.create_server(lambda: _HttpConnection(self),
+                                                        sock=sock, backlog=HTTP_BACKLOG)
+            except BaseException as exc:
+                started.set_exception(exc)
+                raise
+            addr = self._server.sockets[0].getsockname()
+            started.set_result((addr[0], addr[1]))
+            sweeper = loop.create_task(self._sweep_loop())
+            await self._done.wait()
+            sweeper.cancel()
             self._server.close()
+            for conn in list(self._open):
+                conn.abort()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
-            self._server = None
 
-    def _admit(self, writer: asyncio.StreamWriter) -> None:
+        try:
+            loop.run_until_complete(main())
+        except Exception:
+            if started.done() and started.exception() is None:  # not a failed start: a bug
+                log.exception("the metrics server stopped")
+        finally:
+            loop.close()
+
+    async def stop(self) -> None:
+        loop, done, thread = self._loop, self._done, self._thread
+        if loop is not None and done is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                loop.call_soon_threadsafe(done.set)
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, 2.0)
+        self._server = self._loop = self._thread = None
+
+    async def _sweep_loop(self) -> None:
+        """Requests unfinished after ``timeout_s`` get a 408; answers not taken by then go."""
+        while True:
+            await asyncio.sleep(min(0.25, self.timeout_s / 4))
+            deadline = time.monotonic() - self.timeout_s
+            for conn, reading in list(self._open.items()):
+                if conn.since <= deadline:
+                    if reading:
+                        self.answered(conn)
+                        conn.answer(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
+                                    b"Connection: close\r\n\r\n")
+                    else:
+                        conn.abort()  # its answer was not read in time
+
+    def admit(self, conn: _HttpConnection) -> None:
         if len(self._open) >= self.max_connections:
-            oldest = next((w for w, reading in self._open.items() if reading), None)
+            oldest = next((c for c, reading in self._open.items() if reading), None)
             if oldest is not None:
                 self._open.pop(oldest)
                 self.pushed_out += 1
-                oldest.transport.abort()
-        self._open[writer] = True
+                oldest.abort()
+        self._open[conn] = True
 
-    @staticmethod
-    async def _read_head(reader: asyncio.StreamReader) -> str | None:
-        """The request line, once the head has ended: an empty line (CRLF or a bare LF, as
-        curl -0 and netcat send), or the end of the stream (a client that half-closed). None:
-        the connection opened with a dspark frame, not HTTP."""
-        head = bytearray()
-        start = 0  # where the first line not yet looked at begins
-        first: bytes | None = None  # the request line (blank lines before it are skipped)
-        while True:
-            chunk = await reader.read(4096)
-            head += chunk
-            if head.startswith(_FRAME_START):
-                return None
-            if len(head) > MAX_HTTP_REQUEST_BYTES:
-                raise ValueError(f"request head over {MAX_HTTP_REQUEST_BYTES} bytes")
-            # Only this chunk's bytes are searched for line ends: a peer sending a byte at a
-            # time costs one look at each byte, not one at the whole head per byte.
-            at = len(head) - len(chunk)
-            while (end := head.find(b"\n", max(start, at))) >= 0:
-                line = bytes(head[start:end]).rstrip(b"\r")
-                start = at = end + 1
-                if first is None:
-                    first = line or None
-                elif not line:
-                    return first.decode("latin-1")
-            if not chunk:
-                first = first or bytes(head[start:]).rstrip(b"\r") or None
-                if first is None:
-                    raise ConnectionError("closed before a request")
-                return first.decode("latin-1")
+    def answered(self, conn: _HttpConnection) -> None:
+        if conn in self._open:
+            self._open[conn] = False
+            conn.since = time.monotonic()  # the answer's own time to be read
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._admit(writer)
+    def closed(self, conn: _HttpConnection) -> None:
+        self._open.pop(conn, None)
+
+    def response(self, line: str | None) -> bytes:
+        """The whole answer to a request line (None: the stream began with a dspark frame)."""
+        if line is None:
+            return http_400(_NOT_HERE)
+        parts = line.split()
+        method, target = (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
+        path = target.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
+        elif path == "/metrics":
+            status, ctype = "200 OK", CONTENT_TYPE_LATEST
+            body = generate_latest(self.registry)
+        elif path in ("/healthz", "/health", "/ready", "/readyz", "/livez"):
+            ok, text = self.liveness() if path == "/livez" else self.health()
+            status = "200 OK" if ok else "503 Service Unavailable"
+            ctype, body = "text/plain; charset=utf-8", (text + "\n").encode()
+        else:
+            status, ctype, body = "404 Not Found", "text/plain", b"try /metrics or /healthz\n"
+        head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        return head if method == "HEAD" else head + body
+
+
+class _HttpConnection(asyncio.Protocol):
+    """One HTTP connection of the metrics port: its request head is read as it comes (a
+    request line, headers, an empty line: CRLF or a bare LF, as curl -0 and netcat send; or
+    the end of the stream from a client that half-closed), then it is answered and closed."""
+
+    def __init__(self, server: MetricsServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.since = time.monotonic()
+        self.head = bytearray()
+        self.start = 0  # where the first line not yet looked at begins
+        self.first: bytes | None = None  # the request line (blank lines before it skipped)
+        self.done = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.admit(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.done:
+            return
+        at = len(self.head)
+        self.head += data
+        if self.head.startswith(_FRAME_START):
+            self._request(None)
+            return
+        if len(self.head) > MAX_HTTP_REQUEST_BYTES:  # not a scrape: closed without a word
+            self.abort()
+            return
+        # Only the new bytes are searched for line ends: a peer sending a byte at a time
+        # costs one look at each byte, not one at the whole head per byte.
+        while (end := self.head.find(b"\n", max(self.start, at))) >= 0:
+            line = bytes(self.head[self.start:end]).rstrip(b"\r")
+            self.start = at = end + 1
+            if self.first is None:
+                self.first = line or None
+            elif not line:
+                self._request(self.first.decode("latin-1"))
+                return
+
+    def eof_received(self) -> bool:
+        if self.done:
+            return True
+        first = self.first or bytes(self.head[self.start:]).rstrip(b"\r") or None
+        if first is None:  # closed before a request
+            self.abort()
+            return False
+        self._request(first.decode("latin-1"))
+        return True  # our side stays open until the answer is written
+
+    def _request(self, line: str | None) -> None:
+        self.done = True
+        self.server.answered(self)
         try:
-            try:
-                line = await asyncio.wait_for(self._read_head(reader), self.timeout_s)
-            except asyncio.TimeoutError:
-                # Unfinished after the timeout: say so instead of closing without a word.
-                if writer.transport.is_closing():  # pushed out meanwhile
-                    return
-                writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
-                             b"Connection: close\r\n\r\n")
-                await asyncio.wait_for(writer.drain(), self.timeout_s)
-                return
-            if writer in self._open:
-                self._open[writer] = False
-            if line is None:
-                writer.write(http_400(_NOT_HERE))
-                await asyncio.wait_for(writer.drain(), self.timeout_s)
-                return
-            parts = line.split()
-            method, target = (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
-            path = target.split("?", 1)[0]
-            if method not in ("GET", "HEAD"):
-                status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
-            elif path == "/metrics":
-                status, ctype = "200 OK", CONTENT_TYPE_LATEST
-                body = generate_latest(self.registry)
-            elif path in ("/healthz", "/health", "/ready", "/readyz", "/livez"):
-                ok, text = self.liveness() if path == "/livez" else self.health()
-                status = "200 OK" if ok else "503 Service Unavailable"
-                ctype, body = "text/plain; charset=utf-8", (text + "\n").encode()
-            else:
-                status, ctype, body = "404 Not Found", "text/plain", b"try /metrics or /healthz\n"
-            head_out = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-            writer.write(head_out if method == "HEAD" else head_out + body)
-            await asyncio.wait_for(writer.drain(), self.timeout_s)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
-                ConnectionError, ValueError, RuntimeError):  # RuntimeError: transport closed
-            pass
-        finally:
-            self._open.pop(writer, None)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), self.timeout_s)
+            self.answer(self.server.response(line))
+        except Exception:  # a collector or a health callback failed: the scrape fails alone
+            log.exception("metrics request %r failed", line)
+            self.abort()
+
+    def answer(self, data: bytes) -> None:
+        self.done = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+            self.transport.close()  # after what was written is sent
+
+    def abort(self) -> None:
+        self.done = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.closed(self)

@@ -7,7 +7,9 @@ Pure: no sockets, no clocks (callers pass ``now``), no threads, no torch. What i
   binding to the connection of the latest accepted HELLO, the seq guard, idle expiry;
 * per session and slot, the generation last seen (serial-number arithmetic on u32, 7.1);
 * the count of ring lanes reserved by all sessions, so a HELLO that does not fit is refused
-  (ST_BUSY) before anything changes.
+  (ST_BUSY, naming the limit: the pool, one connection's or one peer host's share) before
+  anything changes; a reservation that sent no STEP for ``reservation_idle_s`` gives its lanes
+  up to a HELLO that needs them.
 
 The rings themselves (windows of projected K/V) are the drafter's ``RingPool``, which only the
 runner touches; a session's ``lanes`` (slot -> lane id) are set by the runner when it allocates
@@ -65,6 +67,7 @@ class DropReason(str, enum.Enum):
     REPLACED = "replaced"  # a HELLO under another id with the same client name
     RECREATED = "recreated"  # a reconnect HELLO whose fields differ from the first
     EXPIRED = "expired"  # no frame for session_idle_s
+    UNUSED = "unused"  # no STEP for reservation_idle_s, and a HELLO needed its lanes
     GOODBYE = "goodbye"  # the client released it (OP_GOODBYE)
     INTERNAL = "internal"  # the worker failed while applying one of its STEPs
     SHUTDOWN = "shutdown"
@@ -84,6 +87,7 @@ class Session:
         "lanes",
         "last_active",
         "last_seq",
+        "last_step_at",
         "live",
         "max_slots",
         "n_live",
@@ -105,6 +109,7 @@ class Session:
         self.last_seq = seq
         self.created_at = now
         self.last_active = now
+        self.last_step_at = now  # its HELLO, then each STEP: how long its lanes went unused
         self.max_slots = hello.max_slots
         self.sampled = hello.sample_mode == SAMPLE_TOP32
         self.synthetic = bool(hello.flags & HF_SYNTHETIC)  # kept out of acceptance figures
@@ -207,10 +212,21 @@ class SessionTable:
                  retired_max: int = RETIRED_SESSIONS_MAX,
                  max_per_connection: int = MAX_SESSIONS_PER_CONNECTION,
                  max_per_peer: int | None = None,
-                 unused_idle_s: float | None = None) -> None:
+                 unused_idle_s: float | None = None,
+                 lanes_per_connection: int | None = None,
+                 lanes_per_peer: int | None = None,
+                 reservation_idle_s: float | None = None) -> None:
         self.max_sessions = max_sessions
         self.max_per_connection = max_per_connection
         self.max_per_peer = max_sessions if max_per_peer is None else max_per_peer
+        # Lanes the sessions bound to one connection, and those of one peer host, may reserve
+        # together (None: the pool's).
+        self.lanes_per_connection = lane_capacity if lanes_per_connection is None \
+            else lanes_per_connection
+        self.lanes_per_peer = lane_capacity if lanes_per_peer is None else lanes_per_peer
+        # A session whose latest STEP (or HELLO, before any) is this old gives its lanes up to
+        # a HELLO that cannot fit otherwise (None: never).
+        self.reservation_idle_s = reservation_idle_s
         # A session that never sent a STEP and whose connection is gone is dropped after this
         # (not idle_s): sessions HELLOed and left behind cannot hold the table for long.
         self.unused_idle_s = idle_s if unused_idle_s is None else min(unused_idle_s, idle_s)
@@ -241,18 +257,26 @@ class SessionTable:
     # -- HELLO (6.2) ------------------------------------------------------------------------------
     def hello(self, session_id: int, seq: int, hello: Hello, conn_id: int,
               now: float, live: Callable[[Session], bool] | None = None,
-              peer: str = "") -> HelloResult:
+              peer: str = "", connected: Callable[[int], bool] | None = None) -> HelloResult:
         """Accept a HELLO that passed version, auth, identity, geometry and limits: resume,
         re-create or create the session. Raises StaleSeqError or BusyError with nothing
-        changed. ``live(s)``: the session ``s`` under the same client name is in use by a live
-        engine on another connection, so it is kept, not replaced (``HelloResult.kept``)."""
+        changed.
+
+        Sessions under the same client name (6.2) are replaced, except: one whose connection
+        (``connected(conn_id)``) is open on another peer host is kept (a client name proves
+        nothing without a secret, so a stranger's HELLO cannot drop an engine that is still
+        connected); one in use on this host (``live(s)``: its connection open, a frame
+        lately) is kept while the new session fits beside it, and replaced when it does not
+        (a respawned engine is not locked out by its predecessor, stopped moments ago). Kept
+        sessions are in ``HelloResult.kept``."""
         # Others bound here that stay (one under the same client name would be replaced).
         here = sum(1 for s in self._by_id.values() if s.conn_id == conn_id
                    and s.session_id != session_id
                    and not (hello.client_name and s.client_name == hello.client_name))
         if here >= self.max_per_connection:
             raise BusyError(f"this connection holds {here} sessions, the limit per connection"
-                            f" is {self.max_per_connection}", field="sessions", value=here,
+                            f" is {self.max_per_connection}", field="sessions_per_connection",
+                            value=here,
                             limit=self.max_per_connection)
         existing = self._by_id.get(session_id)
         clean = hello.without_auth()
@@ -278,41 +302,113 @@ class SessionTable:
                     f" last seq {retired_seq}", field="seq", value=seq, limit=retired_seq)
             outcome = Outcome.CREATED
         kept: list[Session] = []
+        in_use: list[Session] = []  # on this host and in use: kept while the new one fits
         if hello.client_name:
             for s in self._by_id.values():
                 if s.client_name != hello.client_name or s.session_id == session_id:
                     continue
-                if s.conn_id != conn_id and live is not None and live(s):
+                if s.conn_id == conn_id:
+                    to_drop.append((s, DropReason.REPLACED))
+                elif s.peer != peer and connected is not None and connected(s.conn_id):
                     kept.append(s)
+                elif live is not None and live(s):
+                    in_use.append(s)
                 else:
                     to_drop.append((s, DropReason.REPLACED))
-        going = {s.session_id for s, _ in to_drop} | {session_id}
-        from_peer = sum(1 for s in self._by_id.values()
-                        if s.peer == peer and s.session_id not in going)
-        if from_peer >= self.max_per_peer:
-            raise BusyError(f"{peer or 'this peer'} holds {from_peer} sessions, the limit per"
-                            f" peer is {self.max_per_peer} (--max-sessions-per-peer)",
-                            field="sessions", value=from_peer, limit=self.max_per_peer)
-        freed_lanes = sum(s.max_slots for s, _ in to_drop)
-        count_after = len(self._by_id) - len(to_drop) + 1
-        if count_after > self.max_sessions:
-            raise BusyError(f"the worker holds {len(self._by_id)} sessions, its limit is"
-                            f" {self.max_sessions}", field="sessions",
-                            value=len(self._by_id), limit=self.max_sessions)
-        free_lanes = self.lane_capacity - (self.lanes_reserved - freed_lanes)
-        if hello.max_slots > free_lanes:
-            raise BusyError(f"HELLO asks for {hello.max_slots} slots; the ring pool has"
-                            f" {free_lanes} of {self.lane_capacity} free", field="max_slots",
-                            value=hello.max_slots, limit=free_lanes)
+        try:
+            evict = self._place(hello, conn_id, peer, now, to_drop)
+        except BusyError:
+            if not in_use:
+                raise
+            to_drop += [(s, DropReason.REPLACED) for s in in_use]
+            in_use = []
+            evict = self._place(hello, conn_id, peer, now, to_drop)
+        to_drop += [(s, DropReason.UNUSED) for s in evict]
         for s, _ in to_drop:
             self._remove(s)
         session = Session(session_id, hello, conn_id, seq, now)
+        # Lanes that went unused stay unused until a STEP: a re-created session keeps its
+        # first's clock, and one that took an unused reservation's lanes keeps that clock, so
+        # a hoarder re-HELLOing for the lanes it just lost holds them no longer than before.
+        for old in ([existing] if existing is not None else []) + evict:
+            session.last_step_at = min(session.last_step_at, old.last_step_at)
         session.peer = peer
         self._by_id[session_id] = session
         self._retired.pop(session_id, None)
         self._retired_by_name.get(hello.client_name, {}).pop(session_id, None)
         self.lanes_reserved += session.max_slots
-        return HelloResult(session, outcome, to_drop, kept)
+        return HelloResult(session, outcome, to_drop, kept + in_use)
+
+    def _place(self, hello: Hello, conn_id: int, peer: str, now: float,
+               going: list[tuple[Session, DropReason]]) -> list[Session]:
+        """Whether a new session for ``hello`` fits once ``going`` are dropped: the sessions
+        left unused that must give their lanes up for it (none if it fits as it is), or
+        BusyError naming the limit it is over. Changes nothing."""
+        gone = {s.session_id for s, _ in going}
+        stay = [s for s in self._by_id.values() if s.session_id not in gone]
+        on_conn = sum(s.max_slots for s in stay if s.conn_id == conn_id)
+        if on_conn + hello.max_slots > self.lanes_per_connection:
+            raise BusyError(f"HELLO asks for {hello.max_slots} slots; this connection's other"
+                            f" sessions hold {on_conn}, the limit per connection is"
+                            f" {self.lanes_per_connection} slots (--max-slots-per-connection)",
+                            field="max_slots_per_connection", value=on_conn + hello.max_slots,
+                            limit=self.lanes_per_connection)
+        # What does not fit otherwise takes the lanes of reservations left unused (never a
+        # STEP for reservation_idle_s), the longest unused first.
+        unused = sorted((s for s in stay if self.unused(s, now)),
+                        key=lambda s: s.last_step_at)
+        evict: list[Session] = []
+
+        def take(candidates: list[Session], short: Callable[[], bool]) -> None:
+            for s in candidates:
+                if not short():
+                    return
+                if s not in evict:
+                    evict.append(s)
+
+        def peer_sessions() -> int:
+            return sum(1 for s in stay if s.peer == peer and s not in evict)
+
+        def peer_lanes() -> int:
+            return sum(s.max_slots for s in stay if s.peer == peer and s not in evict)
+
+        def sessions_after() -> int:
+            return len(stay) - len(evict) + 1
+
+        def free_lanes() -> int:
+            return self.lane_capacity - sum(s.max_slots for s in stay if s not in evict)
+
+        mine = [s for s in unused if s.peer == peer]
+        take(mine, lambda: peer_sessions() >= self.max_per_peer)
+        take(mine, lambda: peer_lanes() + hello.max_slots > self.lanes_per_peer)
+        take(unused, lambda: sessions_after() > self.max_sessions)
+        take(unused, lambda: hello.max_slots > free_lanes())
+        if peer_sessions() >= self.max_per_peer:
+            raise BusyError(f"{peer or 'this peer'} holds {peer_sessions()} sessions, the limit"
+                            f" per peer is {self.max_per_peer} (--max-sessions-per-peer)",
+                            field="max_sessions_per_peer", value=peer_sessions(),
+                            limit=self.max_per_peer)
+        if peer_lanes() + hello.max_slots > self.lanes_per_peer:
+            raise BusyError(f"HELLO asks for {hello.max_slots} slots; sessions from"
+                            f" {peer or 'this peer'} hold {peer_lanes()}, the limit per peer"
+                            f" is {self.lanes_per_peer} slots (--max-slots-per-peer)",
+                            field="max_slots_per_peer", value=peer_lanes() + hello.max_slots,
+                            limit=self.lanes_per_peer)
+        if sessions_after() > self.max_sessions:
+            raise BusyError(f"the worker holds {len(stay) - len(evict)} sessions, its limit is"
+                            f" {self.max_sessions} (--max-sessions)", field="max_sessions",
+                            value=len(stay) - len(evict), limit=self.max_sessions)
+        if hello.max_slots > free_lanes():
+            raise BusyError(f"HELLO asks for {hello.max_slots} slots; the ring pool has"
+                            f" {free_lanes()} of {self.lane_capacity} free"
+                            " (--max-total-slots)", field="max_total_slots",
+                            value=hello.max_slots, limit=free_lanes())
+        return evict
+
+    def unused(self, s: Session, now: float) -> bool:
+        """``s`` reserved lanes and sent no STEP for ``reservation_idle_s``."""
+        return (self.reservation_idle_s is not None
+                and now - s.last_step_at >= self.reservation_idle_s)
 
     # -- frames of a session (7.2 step 2) ---------------------------------------------------------
     def bound(self, session_id: int, conn_id: int, seq: int) -> Session:
@@ -351,7 +447,7 @@ class SessionTable:
             if session.alive and self._by_id.get(session.session_id) is session:
                 self._active_slots += delta
         session.last_seq = seq
-        session.last_active = now
+        session.last_active = session.last_step_at = now
         session.steps += 1
         if slots.size:
             session.rows += int(plan.n_rows.sum() if plan.steady

@@ -55,6 +55,10 @@ FD_HEADER_BYTES: Final = APP_HEADER_SIZE
 MAX_FDS_PER_FRAME: Final = 4
 # cudaHostRegister flags: the mapping is read-only, so the pages are pinned for reading only.
 CUDA_HOST_REGISTER_READ_ONLY: Final = 0x08
+# A region larger than its session's largest STEP rows (max_rows_per_step x row_bytes) holds
+# memory the session can never use: refused, after rounding that size up to this (the largest
+# page size a client rounds its memfd to).
+REGION_ROUND_BYTES: Final = 64 << 10
 
 Unregister = Callable[[], None]
 Register = Callable[[int, int], "Unregister | None"]
@@ -120,6 +124,7 @@ class Region:
                 weakref.finalize(arr, unregister)
         self.array: np.ndarray | None = arr
         self.on_close: Callable[[Region], None] | None = None  # the worker's accounting
+        self.conn_id = 0  # the connection it was attached on
 
     def close(self) -> None:
         """The connection lets go (the mapping itself goes with the last view of it)."""
@@ -243,23 +248,42 @@ class ShmOps:
         self.register = register
         self.regions_mapped = 0  # regions attached so far
         self.mapped_bytes = 0  # bytes of the regions attached now
+        self.by_connection: dict[int, int] = {}  # conn_id -> bytes of its region mapped now
+        # Called with the bytes a region needs when the regions mapped leave too little room:
+        # dispatch lets go of sessions left unused (their regions unmap), as it does for lanes.
+        self.make_room: Callable[[int], None] = lambda need: None
+
+    @staticmethod
+    def session_bound(rows_bytes: int) -> int:
+        """The largest region a session whose largest STEP carries ``rows_bytes`` of rows may
+        attach."""
+        return -(-rows_bytes // REGION_ROUND_BYTES) * REGION_ROUND_BYTES
+
+    def room(self, rows_bytes: int) -> int:
+        """The largest region a session with ``rows_bytes`` of rows per STEP could attach now
+        (the ``region_bytes`` of a ST_LIMITS reply, 13.2)."""
+        out = min(self.max_region_bytes, self.session_bound(rows_bytes))
+        if self.max_mapped_bytes:
+            out = min(out, max(0, self.max_mapped_bytes - self.mapped_bytes))
+        return out
 
     def reply(self, region_bytes: int = 0) -> bytes:
         return ShmAttachReply(self.max_region_bytes, region_bytes).pack()
 
-    def attach(self, conn: Any, fr: Any) -> bytes:
+    def attach(self, conn: Any, fr: Any, rows_bytes: int | None = None) -> bytes:
         """Handle one OP_SHM_ATTACH frame of a session bound to ``conn`` (dispatch checked
-        that); return the reply body of an accepted one, raise the refusal otherwise.
-        Descriptors that came with the frame are closed whatever happens (a mapping outlives
-        its descriptor)."""
+        that) whose largest STEP carries ``rows_bytes`` of rows; return the reply body of an
+        accepted one, raise the refusal otherwise. Descriptors that came with the frame are
+        closed whatever happens (a mapping outlives its descriptor)."""
         state: ConnShm | None = getattr(conn, "shm", None)
         fds = state.take_fds(fr) if state is not None else []
         try:
-            return self._attach(conn, state, fr, fds)
+            return self._attach(conn, state, fr, fds, rows_bytes)
         finally:
             close_fds([fd for fd in fds if fd >= 0])
 
-    def _attach(self, conn: Any, state: ConnShm | None, fr: Any, fds: list[int]) -> bytes:
+    def _attach(self, conn: Any, state: ConnShm | None, fr: Any, fds: list[int],
+                rows_bytes: int | None) -> bytes:
         att = ShmAttach.unpack(fr.body)
         if state is None or not self.max_region_bytes or getattr(conn, "kind", "") != "unix":
             why = ("this worker serves no shared-memory regions" if not self.max_region_bytes
@@ -273,6 +297,7 @@ class ShmOps:
                 raise BadFrameError("SHM_ATTACH OFFER on a connection whose region is already"
                                     " attached", field="phase", value=att.phase)
             check_region_size(att.region_bytes, self.max_region_bytes)
+            self._check_session(att.region_bytes, rows_bytes)
             self._check_room(att.region_bytes)
             state.offer = att.region_bytes
             conn.expect_fds(FD_HEADER_BYTES)
@@ -296,23 +321,42 @@ class ShmOps:
         self.regions_mapped += 1
         self.mapped_bytes += region.nbytes
         region.on_close = self._unmapped
+        conn_id = getattr(conn, "conn_id", 0)
+        region.conn_id = conn_id
+        self.by_connection[conn_id] = region.nbytes
         log.info("connection %s: shared-memory rows region of %d bytes mapped%s",
                  getattr(conn, "peer", "?"), region.nbytes,
                  " and page-locked" if region.registered else "")
         return self.reply(region.nbytes)
 
 
+    def _check_session(self, region_bytes: int, rows_bytes: int | None) -> None:
+        if rows_bytes is None:
+            return
+        bound = self.session_bound(rows_bytes)
+        if region_bytes > bound:
+            raise LimitsError(f"SHM_ATTACH region of {region_bytes} bytes is larger than this"
+                              f" session can use: its largest STEP carries {rows_bytes} bytes"
+                              f" of rows (HELLO max_rows_per_step x row_bytes), {bound} rounded"
+                              f" up to {REGION_ROUND_BYTES // 1024} KiB; rows go on the socket",
+                              field="region_bytes", value=region_bytes, limit=bound)
+
     def _check_room(self, region_bytes: int) -> None:
         limit = self.max_mapped_bytes
         if limit and self.mapped_bytes + region_bytes > limit:
+            self.make_room(self.mapped_bytes + region_bytes - limit)
+        if limit and self.mapped_bytes + region_bytes > limit:
             raise LimitsError(f"SHM_ATTACH region of {region_bytes} bytes: regions of"
-                              f" {self.mapped_bytes} bytes are mapped, the worker's limit is"
-                              f" {limit} bytes (--max-shm-mapped-bytes); rows go on the socket",
-                              field="region_bytes", value=self.mapped_bytes + region_bytes,
-                              limit=limit)
+                              f" {self.mapped_bytes} bytes are mapped, the worker's limit for"
+                              f" all of them is {limit} bytes (--max-shm-mapped-bytes), so"
+                              f" {max(0, limit - self.mapped_bytes)} bytes are free; rows go on"
+                              " the socket", field="region_bytes",
+                              value=self.mapped_bytes + region_bytes, limit=limit)
 
     def _unmapped(self, region: Region) -> None:
         self.mapped_bytes -= region.nbytes
+        if self.by_connection.get(region.conn_id) == region.nbytes:
+            del self.by_connection[region.conn_id]
 
 
 def cuda_host_register(address: int, nbytes: int) -> Unregister | None:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -46,8 +48,14 @@ TARGET_FALLBACKS: Final[dict[str, tuple[str, ...]]] = {
 }
 SINGLE_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
-# A safetensors JSON header larger than this is refused as malformed.
-MAX_HEADER_BYTES: Final = 100 << 20
+# A safetensors JSON header larger than this is refused as malformed: a tensor's entry is about
+# 100 bytes, so this is some 300,000 tensors in one file (the largest checkpoints hold a few
+# thousand per shard), and parsing it costs a few hundred MiB at most.
+MAX_HEADER_BYTES: Final = 32 << 20
+# model.safetensors.index.json: a weight map of a few hundred thousand names.
+MAX_INDEX_BYTES: Final = 64 << 20
+# dspark_identity.json: two digests and a line per tensor.
+MAX_IDENTITY_FILE_BYTES: Final = 16 << 20
 # Hashing reads files through one buffer of this size: large enough that SHA-256, not the
 # reads, sets the pace; small beside any weights.
 HASH_CHUNK_BYTES: Final = 8 << 20
@@ -73,10 +81,85 @@ class TensorRef:
         self.path, self.dtype, self.shape, self.start, self.end = path, dtype, shape, start, end
 
 
-def read_header(path: Path) -> dict[str, TensorRef]:
-    """The tensors of one safetensors file, by name (``__metadata__`` left out)."""
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def open_regular(path: Path | str) -> io.BufferedReader:
+    """``path`` opened for reading, if it is a regular file (a symlink to one is fine, as in a
+    Hugging Face cache): a FIFO would block the open or the read forever, and a device such as
+    /dev/zero never ends. Raises SafetensorsError naming the path and what it is."""
     try:
-        with open(path, "rb") as f:
+        st = os.stat(path)  # follows symlinks: what would be read
+    except OSError as exc:
+        raise SafetensorsError(f"{path}: cannot read ({exc.strerror or exc})",
+                               field=str(path)) from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise SafetensorsError(f"{path}: is {_file_kind(st.st_mode)}, not a regular file",
+                               field=str(path), value=_file_kind(st.st_mode))
+    try:
+        # O_NONBLOCK: a FIFO put in its place since the stat cannot block the open either
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise SafetensorsError(f"{path}: cannot read ({exc.strerror or exc})",
+                               field=str(path)) from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise SafetensorsError(f"{path}: is {_file_kind(mode)}, not a regular file",
+                               field=str(path), value=_file_kind(mode))
+    os.set_blocking(fd, True)
+    return open(fd, "rb")
+
+
+def read_small_file(path: Path | str, limit: int) -> bytes:
+    """The whole of a regular file of at most ``limit`` bytes (SafetensorsError otherwise,
+    naming its size and the limit); never more than ``limit + 1`` bytes are read, whatever
+    the file does meanwhile."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise SafetensorsError(f"{path}: {size} bytes, over the {limit}-byte limit for"
+                                   " this file", field=str(path), value=size, limit=limit)
+        try:
+            data = f.read(limit + 1)
+        except OSError as exc:
+            raise SafetensorsError(f"{path}: cannot read ({exc.strerror or exc})",
+                                   field=str(path)) from exc
+    if len(data) > limit:
+        raise SafetensorsError(f"{path}: more than {limit} bytes, the limit for this file",
+                               field=str(path), value=len(data), limit=limit)
+    return data
+
+
+def load_json(data: bytes, path: Path | str) -> Any:
+    """``data`` (UTF-8 JSON) parsed; SafetensorsError naming ``path`` otherwise (bad UTF-8,
+    bad JSON, nesting too deep for the parser, an integer of thousands of digits)."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SafetensorsError(f"{path}: not valid JSON ({exc})", field=str(path)) from exc
+    except (RecursionError, ValueError) as exc:
+        raise SafetensorsError(f"{path}: not JSON this reader accepts ({exc})",
+                               field=str(path)) from exc
+
+
+def _uint(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_header(path: Path) -> dict[str, TensorRef]:
+    """The tensors of one safetensors file, by name (``__metadata__`` left out). The header's
+    length, every entry's dtype, shape and byte range are checked against the file before
+    anything is allocated for them: a truncated file or a lying header is refused here."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
             head = f.read(8)
             if len(head) != 8:
                 raise SafetensorsError(f"{path}: {len(head)} bytes, too short for safetensors")
@@ -85,18 +168,17 @@ def read_header(path: Path) -> dict[str, TensorRef]:
                 raise SafetensorsError(f"{path}: header of {n} bytes is over the"
                                        f" {MAX_HEADER_BYTES}-byte limit", value=n,
                                        limit=MAX_HEADER_BYTES)
+            if n > size - 8:
+                raise SafetensorsError(f"{path}: header says {n} bytes, the file holds"
+                                       f" {size - 8} after the length (cut short?)",
+                                       value=n, limit=size - 8)
             raw = f.read(n)
-            f.seek(0, 2)
-            size = f.tell()
-    except OSError as exc:
-        raise SafetensorsError(f"{path}: cannot read ({exc})") from exc
+        except OSError as exc:
+            raise SafetensorsError(f"{path}: cannot read ({exc})") from exc
     if len(raw) != n:
         raise SafetensorsError(f"{path}: header says {n} bytes, the file holds {len(raw)}"
                                " after the length", value=len(raw), limit=n)
-    try:
-        meta: dict[str, Any] = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SafetensorsError(f"{path}: header is not JSON ({exc})") from exc
+    meta = load_json(raw, f"{path} (safetensors header)")
     if not isinstance(meta, dict):
         raise SafetensorsError(f"{path}: header is JSON {type(meta).__name__}, not an object")
     base = 8 + n
@@ -104,16 +186,21 @@ def read_header(path: Path) -> dict[str, TensorRef]:
     for name, info in meta.items():
         if name == "__metadata__":
             continue
-        try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            ref = TensorRef(path, str(info["dtype"]), tuple(int(d) for d in info["shape"]),
-                            base + begin, base + end)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SafetensorsError(f"{path}: tensor {name!r} has a malformed entry {info!r}"
-                                   ) from exc
-        if not base <= ref.start <= ref.end <= size:
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if not (isinstance(dtype, str) and isinstance(shape, list) and all(map(_uint, shape))
+                and isinstance(offsets, list) and len(offsets) == 2
+                and all(map(_uint, offsets)) and offsets[0] <= offsets[1]):
+            raise SafetensorsError(f"{path}: tensor {name!r} has a malformed entry"
+                                   f" {str(info)[:200]} (dtype a string, shape a list of"
+                                   " integers >= 0, data_offsets [begin, end] with"
+                                   " 0 <= begin <= end)", field=name)
+        ref = TensorRef(path, dtype, tuple(shape), base + offsets[0], base + offsets[1])
+        if ref.end > size:
             raise SafetensorsError(f"{path}: tensor {name!r} bytes [{ref.start}, {ref.end})"
-                                   f" lie outside the file of {size} bytes")
+                                   f" lie outside the file of {size} bytes", field=name,
+                                   value=ref.end, limit=size)
         out[name] = ref
     return out
 
@@ -123,12 +210,20 @@ def checkpoint_files(directory: Path) -> list[Path]:
     ``model.safetensors``, else every ``*.safetensors`` file in it."""
     directory = Path(directory)
     index = directory / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return [directory / name for name in sorted(set(weight_map.values()))]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise SafetensorsError(f"{index}: not a safetensors index ({exc})") from exc
+    if index.exists():
+        record = load_json(read_small_file(index, MAX_INDEX_BYTES), index)
+        weight_map = record.get("weight_map") if isinstance(record, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise SafetensorsError(f"{index}: not a safetensors index (no weight_map of"
+                                   " tensor names to file names)", field="weight_map")
+        names = sorted(set(weight_map.values()))
+        for name in names:  # shards lie in the folder: no path leads out of it
+            if not name or name != Path(name).name or name in (".", ".."):
+                raise SafetensorsError(f"{index}: weight_map names {name!r}, not a file name"
+                                       " in the checkpoint folder", field="weight_map",
+                                       value=name)
+        return [directory / name for name in names]
     if (directory / SINGLE_FILE).is_file():
         return [directory / SINGLE_FILE]
     found = sorted(directory.glob("*.safetensors"))
@@ -176,10 +271,7 @@ def identities_from_refs(refs: Mapping[str, TensorRef]) -> tuple[bytes, bytes]:
             ref = refs[name]
             f = files.get(ref.path)
             if f is None:
-                try:
-                    f = files[ref.path] = open(ref.path, "rb")  # noqa: SIM115 - closed below
-                except OSError as exc:
-                    raise SafetensorsError(f"{ref.path}: cannot read ({exc})") from exc
+                f = files[ref.path] = open_regular(ref.path)
             h = markov if _is_markov(name) else drafter
             _feed_head(h, name, ref.dtype, ref.shape, ref.end - ref.start)
             f.seek(ref.start)
@@ -336,8 +428,10 @@ def read_identity_file(checkpoint: Path | str,
     tensors in these files as they are now; None when there is no such file or it is stale,
     unreadable or of another format."""
     path = Path(checkpoint) / IDENTITY_FILE
+    if not path.exists():
+        return None
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = load_json(read_small_file(path, MAX_IDENTITY_FILE_BYTES), path)
         if (not isinstance(record, dict) or record.get("format") != IDENTITY_FILE_FORMAT
                 or record.get("inputs") != identity_inputs(checkpoint, refs)):
             return None

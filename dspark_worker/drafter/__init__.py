@@ -4,7 +4,8 @@ CONTRACT 7.2 steps 4-6, 8 and 9). No networking and no asyncio: the runner calls
 The worker's entry points:
 
 - :func:`load_drafter` (``None`` checkpoint: :func:`embedded_default`, the shipped reference
-  drafter) -> :class:`Drafter`
+  drafter) -> :class:`Drafter`; a folder it cannot serve raises :class:`CheckpointRefused`
+  before anything is allocated for it
 - :meth:`Drafter.new_pool` -> :class:`RingPool`: ``allocate`` / ``free`` lanes, ``apply`` the
   rows of a STEP, ``release`` windows, ``window_rows``
 - :meth:`Drafter.draft` -> :class:`DraftResult` (``SamplingParams`` for sampled sessions)
@@ -37,6 +38,7 @@ from .families import (
     parse_config,
 )
 from .gemma4 import Gemma4Config, Gemma4DrafterModel
+from .limits import CheckpointRefused
 from .model import DrafterModel, DraftModel
 from .rings import PoolExhaustedError, RingPool, decode_bf16_rows, encode_bf16_rows
 from .speculators import SpeculatorsConfig, SpeculatorsDrafterModel
@@ -45,6 +47,7 @@ __all__ = [
     "EMBEDDED_CONFIG",
     "FAMILIES",
     "CheckpointError",
+    "CheckpointRefused",
     "DraftModel",
     "DraftResult",
     "Drafter",

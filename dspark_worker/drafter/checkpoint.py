@@ -31,12 +31,14 @@ from protocol.identity import (
     checkpoint_files,
     drafter_refs,
     identities_from_arrays,
+    open_regular,
     tensor_index,
     write_identity_file,
 )
 
-from .config import DrafterConfig
+from .config import DrafterConfig, DrafterConfigError
 from .families import expected_shapes, family_of, load_config
+from .limits import CheckpointRefused, check_host_memory
 from .model import DraftModel
 
 log = logging.getLogger("dspark_worker.checkpoint")
@@ -52,16 +54,20 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 INDEX_TORCH_DTYPES: dict[str, torch.dtype] = {"I64": torch.int64, "I32": torch.int32,
                                               "BOOL": torch.bool}
 SAFETENSORS_DTYPES = {v: k for k, v in (TORCH_DTYPES | INDEX_TORCH_DTYPES).items()}
+DTYPE_BYTES: dict[str, int] = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4,
+                               "BOOL": 1}
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(CheckpointRefused):
     """A checkpoint cannot be used: missing, unexpected or misshapen tensor, unreadable file."""
 
     def __init__(self, message: str, *, tensor: str | None = None,
                  shape: tuple[int, ...] | None = None,
-                 expected: tuple[int, ...] | None = None) -> None:
-        super().__init__(message)
+                 expected: tuple[int, ...] | None = None, value: object = None,
+                 limit: object = None) -> None:
+        super().__init__(message, field=tensor, value=shape if value is None else value,
+                         limit=expected if limit is None else limit)
         self.tensor = tensor
         self.shape = shape
         self.expected = expected
@@ -132,7 +138,8 @@ def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Pa
         if lacking:  # from the target, or the error engines get too (protocol.identity)
             refs = drafter_refs(directory, target_checkpoint)
     except SafetensorsError as exc:
-        raise CheckpointError(str(exc), tensor=exc.field) from exc
+        raise CheckpointError(str(exc), tensor=exc.field, value=exc.value,
+                              limit=exc.limit) from None
     _log_target_tensors(refs, lacking, target_checkpoint)
     for name, shape in expected.items():
         ref = refs.get(name)
@@ -147,7 +154,40 @@ def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Pa
         if ref.dtype not in allowed:
             raise CheckpointError(f"{ref.path}: tensor {name} has dtype {ref.dtype}; the drafter"
                                   f" loads {list(allowed)}", tensor=name)
+        nbytes, need = ref.end - ref.start, math.prod(ref.shape) * DTYPE_BYTES[ref.dtype]
+        if nbytes != need:  # a header whose byte range does not hold its shape
+            raise CheckpointError(f"{ref.path}: tensor {name} holds {nbytes} bytes; shape"
+                                  f" {list(ref.shape)} of {ref.dtype} needs {need}",
+                                  tensor=name, shape=ref.shape, value=nbytes, limit=need)
+    check_derived(config, str(directory / "config.json"))
+    check_host_memory(sum(ref.end - ref.start for ref in refs.values()), str(directory))
     return config, refs
+
+
+def check_derived(config: DrafterConfig, source: str) -> None:
+    """What the family's model computes from its config alone, computed here on the CPU before
+    a tensor is read: the rotary frequencies (and a scaling factor beside them) must be finite
+    and not negative, and a config whose arithmetic fails (a division by zero, the logarithm
+    of zero) is refused naming its rotary fields, not a traceback at warm-up."""
+    where = f"rope_theta {config.rope_theta!r}"
+    for name in ("rope_type", "rope_scaling", "partial_rotary_factor"):
+        if hasattr(config, name):
+            where += f", {name} {getattr(config, name)!r}"
+    try:
+        with torch.device("meta"):  # shapes only: nothing allocated
+            model = family_of(config).model_type(config)
+        freqs = model.inv_freq_values(torch.device("cpu"))
+        scale = float(getattr(model, "attention_scaling", 1.0))
+    except (ArithmeticError, ValueError) as exc:
+        raise DrafterConfigError(f"{source}: the rotary embedding cannot be computed from"
+                                 f" {where}: {type(exc).__name__}: {exc}", field="rope",
+                                 value=where) from None
+    if not (bool(torch.isfinite(freqs).all()) and bool((freqs >= 0).all())
+            and math.isfinite(scale) and scale > 0):
+        raise DrafterConfigError(f"{source}: {where} give rotary frequencies that are not"
+                                 " finite (or a scaling factor that is not a positive finite"
+                                 " number): the drafter would draft NaN", field="rope",
+                                 value=where)
 
 
 def load_checkpoint(checkpoint: str | Path, target_checkpoint: str | Path | None = None, *,
@@ -180,6 +220,22 @@ def load_checkpoint(checkpoint: str | Path, target_checkpoint: str | Path | None
     return LoadedCheckpoint(config, tensors, drafter_id, markov_id, files)
 
 
+def check_device_memory(tensors: dict[str, torch.Tensor], device: torch.device,
+                        dtype: torch.dtype) -> None:
+    """On CUDA, refuse weights that do not fit in the device's free memory, before any of them
+    is copied there (a reload must leave the serving drafter's device memory alone)."""
+    if device.type != "cuda":
+        return
+    elem = torch.empty((), dtype=dtype).element_size()
+    need = sum(t.numel() * (elem if t.is_floating_point() else t.element_size())
+               for t in tensors.values())
+    free, _total = torch.cuda.mem_get_info(device)
+    if need > free:
+        raise CheckpointError(f"the drafter's weights need {need} bytes on {device} as"
+                              f" {str(dtype).removeprefix('torch.')}; {free} bytes are free",
+                              tensor="tensors", value=need, limit=free)
+
+
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes, no copy."""
     if not t.numel():
@@ -206,15 +262,19 @@ def read_tensor(name: str, ref: TensorRef) -> torch.Tensor:
     dtype = TORCH_DTYPES.get(ref.dtype) or INDEX_TORCH_DTYPES[ref.dtype]
     count = math.prod(ref.shape)
     nbytes = ref.end - ref.start
-    elem = torch.empty((), dtype=dtype).element_size()
-    if nbytes != count * elem:
+    if nbytes != count * DTYPE_BYTES[ref.dtype]:
         raise CheckpointError(f"{ref.path}: tensor {name} holds {nbytes} bytes; shape "
-                              f"{list(ref.shape)} of {ref.dtype} needs {count * elem}",
-                              tensor=name, shape=ref.shape)
+                              f"{list(ref.shape)} of {ref.dtype} needs"
+                              f" {count * DTYPE_BYTES[ref.dtype]}", tensor=name,
+                              shape=ref.shape)
     if count == 0:
         return torch.empty(ref.shape, dtype=dtype)
     data = bytearray(nbytes)
-    with open(ref.path, "rb") as f:
+    try:
+        f = open_regular(ref.path)
+    except SafetensorsError as exc:
+        raise CheckpointError(str(exc), tensor=name) from None
+    with f:
         f.seek(ref.start)
         if f.readinto(data) != nbytes:
             raise CheckpointError(f"{ref.path}: tensor {name} is cut short", tensor=name)

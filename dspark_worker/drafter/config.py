@@ -20,24 +20,20 @@ When a field and its alias are both present they must agree.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from .limits import MAX_BLOCK_SPEC, MAX_TAPS, CheckpointRefused, read_json_file, size_problem
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 TAP_BYTES = 2  # tap rows are bf16 (CONTRACT 1, "Tap row")
 
 
-class DrafterConfigError(ValueError):
+class DrafterConfigError(CheckpointRefused):
     """A config.json field is missing or holds a value the drafter cannot run."""
-
-    def __init__(self, message: str, *, field: str | None = None, value: object = None) -> None:
-        super().__init__(message)
-        self.field = field
-        self.value = value
 
 
 @dataclass(frozen=True)
@@ -144,14 +140,13 @@ def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
+    if not path.exists():
+        raise DrafterConfigError(f"{path}: no config.json", field=None, value=str(path))
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DrafterConfigError(f"{path}: no config.json", field=None, value=str(path)) from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DrafterConfigError(f"{path}: not valid JSON ({exc})") from None
+        raw, _ = read_json_file(path)
+    except CheckpointRefused as exc:
+        raise DrafterConfigError(str(exc), field=exc.field, value=exc.value,
+                                 limit=exc.limit) from None
     if not isinstance(raw, dict):
         raise DrafterConfigError(f"{path}: the top level is {type(raw).__name__}, not an object")
     return raw, path.name
@@ -205,8 +200,9 @@ def parse_qwen3_config(raw: Mapping[str, Any], source: str = "config.json") -> D
 
 
 def _check_config(c: DrafterConfig, source: str) -> None:
-    def fail(field: str, value: object, why: str) -> None:
-        raise DrafterConfigError(f"{source}: {field} {value!r} {why}", field=field, value=value)
+    def fail(field: str, value: object, why: str, limit: object = None) -> None:
+        raise DrafterConfigError(f"{source}: {field} {value!r} {why}", field=field, value=value,
+                                 limit=limit)
 
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "intermediate_size", "vocab_size", "block_size",
@@ -214,6 +210,22 @@ def _check_config(c: DrafterConfig, source: str) -> None:
         value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             fail(name, value, "must be a positive integer")
+    # Every family's sizes against the bounds (limits.SIZE_LIMITS), before anything is built
+    # from them; then N, which HELLO carries.
+    for f in fields(c):
+        over = size_problem(f.name, getattr(c, f.name))
+        if over is not None:
+            fail(f.name, getattr(c, f.name), *over)
+    if not 1 <= c.num_spec <= MAX_BLOCK_SPEC:
+        lead = f", less {c.lead_rows} lead row" if c.lead_rows else ""
+        fail("block_size", c.block_size,
+             f"gives N = {c.num_spec} drafts per block{lead}; N must be in"
+             f" 1..{MAX_BLOCK_SPEC} (the contract's MAX_NUM_SPEC: HELLO's num_spec, the"
+             " positions a reply names)", MAX_BLOCK_SPEC + c.lead_rows)
+    if len(c.target_layer_ids) > MAX_TAPS:
+        fail("target_layer_ids", f"{len(c.target_layer_ids)} layers",
+             f"is over {MAX_TAPS} taps (a tap row is n_taps x hidden; drafters tap 3 to 5"
+             " layers)", MAX_TAPS)
     if c.num_attention_heads % c.num_key_value_heads:
         fail("num_key_value_heads", c.num_key_value_heads,
              f"does not divide num_attention_heads {c.num_attention_heads}")
@@ -223,8 +235,10 @@ def _check_config(c: DrafterConfig, source: str) -> None:
         fail("vocab_size", c.vocab_size, "must be at least 2 (the margin needs two logits)")
     if not (math.isfinite(c.rms_norm_eps) and c.rms_norm_eps > 0):
         fail("rms_norm_eps", c.rms_norm_eps, "must be a positive finite number")
-    if not (math.isfinite(c.rope_theta) and c.rope_theta > 0):
-        fail("rope_theta", c.rope_theta, "must be a positive finite number")
+    if not (math.isfinite(c.rope_theta) and c.rope_theta > 1):
+        fail("rope_theta", c.rope_theta, "must be a finite number above 1 (the rotary base:"
+             " 10,000 to 10,000,000 in use; at 1 or below the frequencies blow up or divide"
+             " by log 1 = 0)", 1)
     if not c.target_layer_ids:
         fail("target_layer_ids", list(c.target_layer_ids), "must name at least one layer")
     previous: int | None = None
@@ -311,21 +325,31 @@ class ConfigReader:
         return first
 
     def int_(self, name: str, aliases: tuple[str, ...] = (), default: object = _MISSING) -> Any:
+        """An integer; a size named in ``limits.SIZE_LIMITS`` is checked against its bound as
+        it is read, before a family builds anything from it (a list per layer)."""
         value = self.get(name, aliases, default)
         if value is None and default is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             raise DrafterConfigError(
                 f"{self.source}: {name} {value!r} is not an integer", field=name, value=value)
+        over = size_problem(name, value)
+        if over is not None:
+            raise DrafterConfigError(f"{self.source}: {name} {value!r} {over[0]}", field=name,
+                                     value=value, limit=over[1])
         return value
 
     def float_(self, name: str, nested: tuple[str, str] | None = None,
                default: object = _MISSING) -> float:
+        """A finite number (JSON as Python reads it allows NaN and Infinity)."""
         aliases = (".".join(nested),) if nested else ()
         value = self.get(name, aliases, default)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise DrafterConfigError(
                 f"{self.source}: {name} {value!r} is not a number", field=name, value=value)
+        if not math.isfinite(value):
+            raise DrafterConfigError(f"{self.source}: {name} {value!r} is not a finite number",
+                                     field=name, value=value)
         return float(value)
 
     def str_(self, name: str, default: object = _MISSING) -> str:

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from protocol import formats
 
 from .config import ConfigReader, DrafterConfig, DrafterConfigError
+from .limits import MAX_SCALE, MAX_SOFTCAP
 from .model import ContextSource, MarkovHead, context_bias
 from .speculators import (
     LAYER_PREFIX,
@@ -177,11 +178,13 @@ class DFlashConfig(SpeculatorsConfig):
                  " confidence head")
         for name in ("input_embedding_scale", "output_multiplier"):
             value = getattr(self, name)
-            if not math.isfinite(value) or value == 0:
-                fail(name, value, "must be a finite non-zero number")
+            if not math.isfinite(value) or value == 0 or abs(value) > MAX_SCALE:
+                fail(name, value, f"must be a finite non-zero number of magnitude at most"
+                     f" {MAX_SCALE:g}")
         cap = self.final_logit_softcapping
-        if cap is not None and not (math.isfinite(cap) and cap > 0):
-            fail("final_logit_softcapping", cap, "must be a positive finite number or null")
+        if cap is not None and not (math.isfinite(cap) and 0 < cap <= MAX_SOFTCAP):
+            fail("final_logit_softcapping", cap, f"must be a number in (0, {MAX_SOFTCAP:g}] or"
+                 " null")
         if self.version != 2:
             return self
         if self.reduced_vocab:

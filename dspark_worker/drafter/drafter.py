@@ -27,7 +27,7 @@ from protocol.identity import (
     markov_walk_identity,
 )
 
-from .checkpoint import LoadedCheckpoint, load_checkpoint, tensor_records
+from .checkpoint import LoadedCheckpoint, check_device_memory, load_checkpoint, tensor_records
 from .config import DrafterConfig, DrafterConfigError, read_config_json
 from .embedded import EMBEDDED_CONFIG, EMBEDDED_SEED, random_tensors
 from .families import build_model, family_of
@@ -517,6 +517,8 @@ class ReadDrafter:
     def build(self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
               ) -> Drafter:
         dev, dt = _resolve(device, dtype)
+        # the last refusal (CheckpointRefused) before the device is used
+        check_device_memory(self.loaded.tensors, dev, dt)
         model = build_model(self.loaded.config, self.loaded.tensors, device=dev, dtype=dt)
         return Drafter(model, drafter_identity=self.loaded.drafter_identity,
                        markov_identity=self.loaded.markov_identity, source=self.source,

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ConfigReader, DrafterConfig, DrafterConfigError, temperatures
+from .limits import MAX_SOFTCAP
 from .model import (
     MLP,
     ConfidenceHead,
@@ -144,10 +145,11 @@ class Gemma4Config(DrafterConfig):
                 f"{source}: rope_parameters.full_attention.partial_rotary_factor {p!r} is"
                 " outside (0, 1]", field="partial_rotary_factor", value=p)
         cap = self.final_logit_softcapping
-        if cap is not None and not (math.isfinite(cap) and cap > 0):
+        if cap is not None and not (math.isfinite(cap) and 0 < cap <= MAX_SOFTCAP):
             raise DrafterConfigError(
-                f"{source}: final_logit_softcapping {cap!r} must be a positive finite number"
-                " or null", field="final_logit_softcapping", value=cap)
+                f"{source}: final_logit_softcapping {cap!r} must be a number in (0,"
+                f" {MAX_SOFTCAP:g}] or null (Gemma's is 30)", field="final_logit_softcapping",
+                value=cap, limit=MAX_SOFTCAP)
         return self
 
 
@@ -251,6 +253,10 @@ def _rope(r: ConfigReader, source: str) -> tuple[float, float]:
     if isinstance(theta, bool) or not isinstance(theta, int | float):
         raise DrafterConfigError(f"{source}: {where}.rope_theta {theta!r} is not a number",
                                  field=f"{where}.rope_theta", value=theta)
+    if not (math.isfinite(theta) and theta > 1):
+        raise DrafterConfigError(f"{source}: {where}.rope_theta {theta!r} must be a finite"
+                                 " number above 1 (the rotary base)",
+                                 field=f"{where}.rope_theta", value=theta, limit=1)
     partial = entry.get("partial_rotary_factor", 1.0) if kind == "proportional" else 1.0
     if isinstance(partial, bool) or not isinstance(partial, int | float):
         raise DrafterConfigError(

@@ -102,6 +102,20 @@ ROPE_REQUIRED = {"default": (), "llama3": ("factor", "low_freq_factor", "high_fr
 ROPE_OPTIONAL = {"default": (), "llama3": ("original_max_position_embeddings",),
                  "yarn": ("original_max_position_embeddings", "attention_factor", "beta_fast",
                           "beta_slow", "mscale", "mscale_all_dim", "truncate")}
+# What each scaling parameter may be: (smallest, largest, whether the smallest is allowed).
+# factor: the context extensions in use are 4x to 160x. The others are divided by or taken
+# the logarithm of (so zero is out), or scale cos and sin (so they stay positive).
+ROPE_RANGES: dict[str, tuple[float, float, bool]] = {
+    "factor": (1.0, 1024.0, True),
+    "low_freq_factor": (0.0, 1e6, False),
+    "high_freq_factor": (0.0, 1e6, False),
+    "original_max_position_embeddings": (0.0, float(1 << 26), False),
+    "attention_factor": (0.0, 1e6, False),
+    "beta_fast": (0.0, 1e6, False),
+    "beta_slow": (0.0, 1e6, False),
+    "mscale": (0.0, 1e6, True),
+    "mscale_all_dim": (0.0, 1e6, True),
+}
 
 
 @dataclass(frozen=True)
@@ -199,17 +213,14 @@ class SpeculatorsConfig(DrafterConfig):
         }
 
     def validated(self, source: str = "config") -> SpeculatorsConfig:
-        def fail(field: str, value: object, why: str) -> None:
+        def fail(field: str, value: object, why: str, limit: object = None) -> None:
             raise DrafterConfigError(f"{source}: {field} {value!r} {why}", field=field,
-                                     value=value)
+                                     value=value, limit=limit)
 
         super().validated(source)
         if not 2 <= self.draft_vocab_size <= self.vocab_size:
             fail("draft_vocab_size", self.draft_vocab_size,
                  f"is outside [2, transformer_layer_config.vocab_size {self.vocab_size}]")
-        if self.num_spec < 1:
-            fail("block_size", self.block_size,
-                 "leaves no draft: sample_from_anchor false drafts block_size - 1")
         if len(self.layer_types) != self.num_hidden_layers:
             fail("transformer_layer_config.layer_types", list(self.layer_types),
                  f"must list one type per draft layer (num_hidden_layers"
@@ -229,9 +240,22 @@ class SpeculatorsConfig(DrafterConfig):
             if self.rope_param(name) is None:
                 fail(f"transformer_layer_config.rope_parameters.{name}", None,
                      f"is missing (rope_type {self.rope_type!r} needs it)")
-        factor = self.rope_param("factor", 1.0)
-        if self.rope_type != "default" and not (factor is not None and factor >= 1.0):
-            fail("transformer_layer_config.rope_parameters.factor", factor, "must be >= 1")
+        for name, value in self.rope_scaling:
+            low, high, low_ok = ROPE_RANGES.get(name, (-math.inf, math.inf, True))
+            if not (math.isfinite(value) and (low <= value if low_ok else low < value)
+                    and value <= high):
+                fail(f"transformer_layer_config.rope_parameters.{name}", value,
+                     f"must be a finite number in {'[' if low_ok else '('}{low:g}, {high:g}]",
+                     high)
+        low_f, high_f = self.rope_param("low_freq_factor"), self.rope_param("high_freq_factor")
+        if low_f is not None and high_f is not None and not high_f > low_f:
+            fail("transformer_layer_config.rope_parameters.high_freq_factor", high_f,
+                 f"must be above low_freq_factor {low_f} (llama3 interpolates between them)",
+                 low_f)
+        if self.rope_type != "default" and not self.rope_original_length > 0:
+            fail("transformer_layer_config.max_position_embeddings",
+                 self.max_position_embeddings, "must be positive (the scaling's original"
+                 " context length)", 0)
         return self
 
 
@@ -454,7 +478,11 @@ def _rope(r: ConfigReader, layer: Mapping[str, Any], source: str, prefix: str = 
     params = layer.get("rope_parameters")
     if params is None:
         where = f"{prefix}rope_scaling"
-        params = dict(layer.get("rope_scaling") or {})
+        given = layer.get("rope_scaling") or {}
+        if not isinstance(given, Mapping):
+            raise DrafterConfigError(f"{source}: {where} {given!r} is not an object",
+                                     field=where, value=given)
+        params = dict(given)
         if layer.get("rope_theta") is not None:
             params["rope_theta"] = layer["rope_theta"]
     if not isinstance(params, Mapping):
@@ -473,6 +501,11 @@ def _rope(r: ConfigReader, layer: Mapping[str, Any], source: str, prefix: str = 
     if isinstance(theta, bool) or not isinstance(theta, int | float):
         raise DrafterConfigError(f"{source}: {where}.rope_theta {theta!r} is not a number",
                                  field=f"{where}.rope_theta", value=theta)
+    if not (math.isfinite(theta) and theta > 1):
+        raise DrafterConfigError(f"{source}: {where}.rope_theta {theta!r} must be a finite"
+                                 " number above 1 (the rotary base; the yarn correction"
+                                 " divides by its logarithm)", field=f"{where}.rope_theta",
+                                 value=theta, limit=1)
     partial = params.get("partial_rotary_factor", layer.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise DrafterConfigError(

@@ -322,8 +322,10 @@ def test_one_session_moves_the_totals_but_not_the_median_session() -> None:
     fourth; the per-session median the acceptance alert reads stays at the three's 2.0."""
     from dspark_worker.acceptance import MIN_RECENT_BLOCKS
 
+    # four engines of one host fill the pool: its share may be all of it
     with start_worker("--device", "cpu", "--window", "64", "--max-slots", "2",
-                      "--max-total-slots", "8", "--max-rows-per-step", "128") as w:
+                      "--max-total-slots", "8", "--max-slots-per-peer", "8",
+                      "--max-rows-per-step", "128") as w:
         assert w.endpoint is not None
         clients, engines = [], []
         for name in ("honest-a", "honest-b", "honest-c", "broken"):

@@ -6,6 +6,8 @@ session whose drafts must not change."""
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import socket
 import subprocess
@@ -140,6 +142,85 @@ def test_startup_failures_are_one_line_before_loading(tmp_path: Path) -> None:
                 p.wait(10)
         busy_draft.close()
         busy_metrics.close()
+
+
+def _hostile_checkpoints(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """Folders that broke start-up before (a traceback at warm-up, a hang, memory without
+    end, an arithmetic error, NaN drafts): (worker arguments, what the one line names)."""
+    spec = ROOT / "tests" / "worker" / "drafter" / "data" / "speculators_tiny"
+    ref = ROOT / "dspark_worker" / "drafter" / "reference"
+
+    def copy(base: Path, name: str, **changes: object) -> Path:
+        out = tmp / name
+        out.mkdir()
+        for f in base.iterdir():
+            if f.name not in ("config.json", "dspark_identity.json"):
+                (out / f.name).symlink_to(f)
+        config = json.loads((base / "config.json").read_text())
+        for key, value in changes.items():
+            node = config
+            *parents, last = key.split(".")
+            for k in parents:
+                node = node[k]
+            node[last] = value
+        (out / "config.json").write_text(json.dumps(config))
+        return out
+
+    target = ["--target-checkpoint", str(spec / "target")]
+    n_past_u16 = copy(spec / "vanilla_anchor_reduced", "n", block_size=100000)
+    del_tokens = json.loads((n_past_u16 / "config.json").read_text())
+    del_tokens.pop("speculators_config", None)  # no proposal count to disagree with
+    (n_past_u16 / "config.json").write_text(json.dumps(del_tokens))
+    zero = copy(ref, "zero")
+    (zero / "config.json").unlink()
+    (zero / "config.json").symlink_to("/dev/zero")
+    fifo = copy(ref, "fifo")
+    (fifo / "model.safetensors").unlink()
+    os.mkfifo(fifo / "model.safetensors")
+    yarn = spec / "llama_bias_yarn_bonus_nomarkov"
+    return {
+        "N past HELLO's u16": (["--checkpoint", str(n_past_u16), *target],
+                               ["block_size 100000", "1..64"]),
+        "config.json -> /dev/zero": (["--checkpoint", str(zero)],
+                                     ["config.json", "is a character device"]),
+        "a FIFO of weights": (["--checkpoint", str(fifo)],
+                              ["model.safetensors", "is a FIFO"]),
+        "yarn over rope_theta 1": (["--checkpoint", str(copy(
+            yarn, "yarn1", **{"transformer_layer_config.rope_parameters.rope_theta": 1})),
+            *target], ["rope_parameters.rope_theta 1", "above 1"]),
+        "NaN beta_fast": (["--checkpoint", str(copy(
+            yarn, "nan", **{"transformer_layer_config.rope_parameters.beta_fast": math.nan})),
+            *target], ["beta_fast nan", "finite"]),
+    }
+
+
+def test_hostile_checkpoints_are_one_line_each(tmp_path: Path) -> None:
+    """Each hostile checkpoint folder: exit 1 within the bound, one ``cannot start: cannot load
+    the drafter (...)`` line naming the key, its value and the limit, nothing after it, no
+    traceback, and never ready. The five run in parallel."""
+    cases = _hostile_checkpoints(tmp_path)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    procs = {}
+    try:
+        for name, (args, _) in cases.items():
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "dspark_worker", "--listen", "127.0.0.1:0",
+                 "--metrics-listen", "none", *SMALL, *args], cwd=str(ROOT), env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for name, (_, words) in cases.items():
+            out, _ = procs[name].communicate(timeout=120)
+            text = out.decode(errors="replace")
+            assert procs[name].returncode == 1, (name, text)
+            lines = [ln for ln in text.splitlines() if "cannot start:" in ln]
+            assert len(lines) == 1 and "cannot load the drafter" in lines[0], (name, text)
+            assert all(w in lines[0] for w in words), (name, lines[0])
+            assert text.splitlines()[-1] == lines[0], (name, text)
+            assert "Traceback" not in text and "ready:" not in text, (name, text)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
 
 
 # -- the fuzz -------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def test_stats_pipelines_do_not_starve_an_engine_or_a_new_connection(drafter: An
     pauses them) beside 20 other sessions: the engine's STEPs and new connections' PINGs are
     each answered within SERVED_WITHIN_S all through the flood."""
     d = drafter
-    with start_worker(*SMALL) as w:
+    with start_worker(*SMALL, "--max-slots-per-peer", "96") as w:
         assert w.host and w.port
         others = [_engine(w, d, f"idle-{i}") for i in range(20)]  # STATS lists them all
         engine = _engine(w, d, "engine")
@@ -111,7 +111,9 @@ def test_stats_pipelines_do_not_starve_an_engine_or_a_new_connection(drafter: An
             stop.set()
             for t in floods:
                 t.join(10)
-        assert sum(answered) > 300, answered  # the flood was served too (100 per second each)
+        # the flood was served too: it and the new connections' PINGs share their host's 100
+        # frames a second (the PINGs, answered least so far, first)
+        assert sum(answered) > 30 and sum(answered) + len(ping_s) > 200, (answered, len(ping_s))
         assert max(step_s) < SERVED_WITHIN_S, (max(step_s), sorted(step_s)[-5:])
         assert max(ping_s) < SERVED_WITHIN_S, (max(ping_s), sorted(ping_s)[-5:])
         assert float(np.median(step_s)) < TYPICAL_S and float(np.median(ping_s)) < TYPICAL_S

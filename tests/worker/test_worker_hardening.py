@@ -29,7 +29,7 @@ from dspark_worker.config import (
     exposure_warning,
     max_step_body_bytes,
 )
-from dspark_worker.dispatch import RateLimitedLog
+from dspark_worker.dispatch import STATS_REBUILD_S, RateLimitedLog
 from protocol.constants import (
     OP_GOODBYE,
     OP_HELLO,
@@ -413,6 +413,19 @@ def test_idle_http_connections_do_not_keep_a_scrape_out(worker: ThreadWorker) ->
             s.close()
 
 
+def test_probes_are_answered_while_the_draft_loop_is_held(worker: ThreadWorker) -> None:
+    """The metrics port has an event loop and a thread of its own: while the draft port's loop
+    is held (1.5 s of work in one callback, as a flood or a slow handler would hold it),
+    /livez, /healthz and /metrics still answer at once."""
+    worker.loop.call_soon_threadsafe(time.sleep, 1.5)
+    time.sleep(0.1)  # the loop is in it now
+    t0 = time.perf_counter()
+    for path in ("/livez", "/healthz", "/metrics"):
+        status, _ = worker.scrape(path)
+        assert status == 200, path
+    assert time.perf_counter() - t0 < 0.5
+
+
 # -- 12: a HELLO the frame limit cannot serve ----------------------------------------------
 def test_hello_whose_largest_step_is_over_the_frame_limit_is_refused(
         drafter: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -442,6 +455,10 @@ def test_start_warnings_for_limits_that_cannot_all_be_used() -> None:
     assert str(1 << 20) in texts[0] and str(largest) in texts[0]
     assert "max_slots 600 is above max_total_slots 512" in texts[1]
     assert config_warnings(WorkerConfig(), 25600) == []  # the defaults agree
+    small_share = config_warnings(WorkerConfig(max_slots_per_peer=128), 25600)
+    assert len(small_share) == 1 and "a HELLO may ask for 128 slots at most" in small_share[0]
+    assert WorkerConfig(max_slots_per_peer=128).session_slots == 128
+    assert (WorkerConfig().slots_per_connection, WorkerConfig().slots_per_peer) == (256, 256)
 
 
 # -- 13: exposed without authentication ----------------------------------------------------
@@ -469,13 +486,15 @@ def test_ping_with_a_session_keeps_the_stream(worker: ThreadWorker, drafter: Any
 def test_repeated_stats_share_one_body_until_something_changes(worker: ThreadWorker,
                                                               drafter: Any) -> None:
     """STATS from a connection without a session is answered from the last body while no
-    other frame came (a pipelined flood costs no JSON per frame); a STEP makes it fresh."""
+    other frame came (a pipelined flood costs no JSON per frame); after a STEP it is fresh
+    once STATS_REBUILD_S has passed since the last body (rebuilt at most that often)."""
     d = drafter
     with worker.connect() as eng, worker.connect() as tool:
         assert eng.hello(make_hello(d, client_name="stats-cache")).status == ST_OK
         first = tool.stats().body
         assert all(tool.stats().body == first for _ in range(20))
         _fill_and_draft(eng, d)
+        time.sleep(STATS_REBUILD_S)
         after = msgspec.json.decode(tool.stats().body)
         assert after["totals"]["steps"] > msgspec.json.decode(first)["totals"]["steps"]
         # the engine's own connection sees its session's id: never a shared body

@@ -134,7 +134,7 @@ def test_replacement_by_client_name_and_capacity() -> None:
     a = t.hello(1, 1, hello(max_slots=6, name="engine-a"), conn_id=1, now=0).session
     with pytest.raises(BusyError) as e:
         t.hello(2, 1, hello(max_slots=4, name="engine-b"), conn_id=2, now=0)  # lanes
-    assert e.value.field == "max_slots" and len(t) == 1 and a.alive  # nothing changed
+    assert e.value.field == "max_slots_per_peer" and len(t) == 1 and a.alive  # nothing changed
     # The same client name under a new id: the old session goes first, so it fits.
     r = t.hello(3, 1, hello(max_slots=8, name="engine-a"), conn_id=3, now=0)
     assert r.outcome is Outcome.CREATED and r.dropped == [(a, DropReason.REPLACED)]
@@ -143,7 +143,7 @@ def test_replacement_by_client_name_and_capacity() -> None:
     t2.hello(1, 1, hello(), conn_id=1, now=0)
     with pytest.raises(BusyError) as e2:
         t2.hello(2, 1, hello(), conn_id=2, now=0)  # session count
-    assert e2.value.field == "sessions"
+    assert e2.value.field == "max_sessions_per_peer"  # the same as max_sessions here
 
 
 def test_unnamed_sessions_do_not_replace_each_other() -> None:
@@ -209,3 +209,80 @@ def test_limits_per_connection_and_per_peer_and_the_unused_grace() -> None:
     assert t.expire(4.0, open_conns.__contains__) == []
     assert {s.session_id for s in t.expire(5.0, open_conns.__contains__)} == {1, 2}
     assert t.get(3) is not None and t.get(4) is not None
+
+
+def _step(t: SessionTable, s: object, seq: int, now: float) -> None:
+    e = entries((0, 1, RF_NEED_DRAFT))
+    t.commit_step(s, plan_step(s, e), e, seq, now)  # type: ignore[arg-type]
+
+
+def test_lanes_per_connection_and_per_peer_name_their_limit_and_change_nothing() -> None:
+    t = SessionTable(max_sessions=16, lane_capacity=32, idle_s=600, lanes_per_connection=8,
+                     lanes_per_peer=16, reservation_idle_s=10)
+    a = t.hello(1, 1, hello(8), conn_id=1, now=0, peer="h1").session
+    with pytest.raises(BusyError, match="limit per connection is 8 slots"
+                                        r" \(--max-slots-per-connection\)") as e:
+        t.hello(2, 1, hello(1), conn_id=1, now=1, peer="h1")
+    assert e.value.value == 9 and e.value.limit == 8
+    t.hello(3, 1, hello(8), conn_id=2, now=1, peer="h1")
+    with pytest.raises(BusyError, match="sessions from h1 hold 16, the limit per peer is 16"
+                                        r" slots \(--max-slots-per-peer\)"):
+        t.hello(4, 1, hello(4), conn_id=3, now=2, peer="h1")
+    assert len(t) == 2 and t.lanes_reserved == 16 and a.alive  # nothing changed
+    t.hello(5, 1, hello(8), conn_id=4, now=2, peer="h2")  # another host gets the rest
+    t.hello(6, 1, hello(8), conn_id=5, now=2, peer="h2")
+    with pytest.raises(BusyError, match="the ring pool has 0 of 32 free"):
+        t.hello(7, 1, hello(1), conn_id=6, now=3, peer="h3")
+
+
+def test_a_reservation_without_a_step_gives_its_lanes_to_a_hello_that_needs_them() -> None:
+    """Only under pressure, only after reservation_idle_s without a STEP (a PING or a resume
+    does not count), the longest unused first; a re-created session keeps its predecessor's
+    clock; a refusal evicts nothing."""
+    t = SessionTable(max_sessions=16, lane_capacity=16, idle_s=600, reservation_idle_s=10)
+    hoard = t.hello(1, 1, hello(8), conn_id=1, now=0, peer="h").session
+    used = t.hello(2, 1, hello(8), conn_id=2, now=0, peer="h").session
+    _step(t, used, 2, 9.0)
+    t.touch(hoard, 2, 9.5)  # a PING: the lanes are no more used for it
+    with pytest.raises(BusyError, match="sessions from h hold 16"):
+        t.hello(3, 1, hello(8), conn_id=3, now=9.9, peer="h")  # not unused for 10 s yet
+    assert hoard.alive
+    with pytest.raises(BusyError):  # would need both: the stepping one is not evicted
+        t.hello(3, 1, hello(16), conn_id=3, now=10.0, peer="h")
+    assert hoard.alive and used.alive
+    # a re-create (other fields) of the hoard keeps the clock of its first HELLO
+    hoard2 = t.hello(1, 3, hello(8, window=16), conn_id=1, now=10.0, peer="h").session
+    assert hoard2.last_step_at == 0
+    r = t.hello(3, 1, hello(8), conn_id=3, now=10.0, peer="h")
+    assert r.dropped == [(hoard2, DropReason.UNUSED)] and not hoard2.alive and used.alive
+    assert t.lanes_reserved == 16
+    # the lanes it took stay unused until its first STEP: a hoarder's next HELLO gets them back
+    # only to lose them at once to the next that needs them
+    assert r.session.last_step_at == 0
+    _step(t, r.session, 2, 10.5)
+    assert r.session.last_step_at == 10.5
+
+
+def test_a_client_name_held_on_another_host_is_kept_and_a_stopped_predecessor_gives_way(
+) -> None:
+    t = SessionTable(max_sessions=16, lane_capacity=8, idle_s=600)
+    connected = {1, 2}.__contains__
+    owner = t.hello(1, 1, hello(4, name="engine"), conn_id=1, now=0, peer="h1").session
+
+    def live(s: object) -> bool:
+        return True  # every session had a frame lately
+
+    # a stranger on another host claims the name: the owner's open connection keeps it
+    r = t.hello(2, 1, hello(4, name="engine"), conn_id=2, now=1, peer="h2", live=live,
+                connected=connected)
+    assert r.kept == [owner] and owner.alive and not r.dropped
+    t.drop(r.session)
+    # on the owner's own host, in use: kept while the new session fits beside it ...
+    r = t.hello(3, 1, hello(4, name="engine"), conn_id=3, now=2, peer="h1", live=live,
+                connected=connected)
+    assert r.kept == [owner] and owner.alive
+    # ... and replaced when it does not (a respawn over its predecessor, stopped moments ago)
+    r2 = t.hello(4, 1, hello(8, name="engine"), conn_id=4, now=3, peer="h1", live=live,
+                 connected=connected)
+    assert {s.session_id for s, _ in r2.dropped} == {1, 3} and not owner.alive
+    assert all(why is DropReason.REPLACED for _, why in r2.dropped)

@@ -41,6 +41,8 @@ from tests.support.worker_proc import WorkerProcess, start_worker
 
 LIMIT = 1 << 20  # the worker's --max-shm-region-bytes in these tests
 REGION = 256 << 10
+# The sessions' largest STEP: 4096 rows of 768 bytes, 3 MiB (a region may not be larger).
+ROWS = 4096
 ARGS = ("--window", "64", "--max-slots", "8", "--max-total-slots", "32", "--device", "cpu",
         "--max-shm-region-bytes", str(LIMIT), "--partial-frame-timeout-s", "5")
 
@@ -96,7 +98,8 @@ class ShmClient(Client):
 def client(worker: WorkerProcess, drafter: Any) -> Iterator[ShmClient]:
     assert worker.unix_path is not None
     with ShmClient(worker.unix_path, timeout=20) as c:
-        r = c.hello(make_hello(drafter, window=64, max_slots=8, client_name="shm-fixture"))
+        r = c.hello(make_hello(drafter, window=64, max_slots=8, max_rows_per_step=ROWS,
+                                   client_name="shm-fixture"))
         assert r.status == ST_OK
         assert r.hello().capabilities & CAP_SHM_ROWS
         yield c
@@ -323,7 +326,7 @@ def test_region_unmapped_when_the_connection_closes(worker: WorkerProcess, draft
         for i, fd in enumerate(fds):
             c = ShmClient(worker.unix_path)
             clients.append(c)
-            assert c.hello(make_hello(drafter, window=64, max_slots=2,
+            assert c.hello(make_hello(drafter, window=64, max_slots=2, max_rows_per_step=ROWS,
                                       client_name=f"shm-unmap-{i}")).status == ST_OK
             assert c.attach(fd, REGION).status == ST_OK
         assert mapped_memfds(worker.pid) == 3
@@ -347,7 +350,7 @@ def test_map_frame_that_never_comes_closes_the_connection(worker: WorkerProcess,
                                                           drafter: Any) -> None:
     assert worker.unix_path is not None
     with ShmClient(worker.unix_path) as c:
-        assert c.hello(make_hello(drafter, window=64, max_slots=2,
+        assert c.hello(make_hello(drafter, window=64, max_slots=2, max_rows_per_step=ROWS,
                                   client_name="shm-stall")).status == ST_OK
         assert c.offer(REGION).status == ST_OK
         c.send_raw(b"\x44\x53")  # two bytes of a header, then nothing
@@ -438,25 +441,28 @@ def test_mapped_bytes_are_capped_and_a_session_that_leaves_unmaps(tmp_path: Path
     big = 4 << 20
     path = tmp_path / "w.sock"
     with start_worker(*ARGS, "--unix", str(path), "--max-shm-region-bytes", str(big),
-                      "--max-shm-mapped-bytes", str(2 * big)) as w:
+                      "--max-shm-mapped-bytes", str(2 * big), "--max-rows-per-step",
+                      "8192") as w:
         fds = [memfd(big) for _ in range(4)]
         clients = [ShmClient(str(path), timeout=20) for _ in range(3)]
+        hello = make_hello(drafter, window=64, max_slots=8, max_rows_per_step=8192)
         try:
             for c in clients:
-                assert c.hello(make_hello(drafter, window=64, max_slots=8)).status == ST_OK
+                assert c.hello(hello).status == ST_OK
             assert clients[0].attach(fds[0], big).status == ST_OK
             assert clients[1].attach(fds[1], big).status == ST_OK
             r = clients[2].offer(big)
             assert r.status == ST_LIMITS, r.header
             assert _memfd_mapped_bytes(w.pid) == 2 * big
             log = w.log_text()
-            assert f"regions of {2 * big} bytes are mapped, the worker's limit is" \
-                   f" {2 * big} bytes" in log
+            assert f"regions of {2 * big} bytes are mapped, the worker's limit for all of them"\
+                   f" is {2 * big} bytes (--max-shm-mapped-bytes), so 0 bytes are free" in log
+            assert ShmAttachReply.unpack(r.body).region_bytes == 0  # what it could map now
             assert clients[2].ping().status == ST_OK  # refused, still a working session
             # Session 0 moves to a new connection (a reconnect): its old region goes at once.
             mover = ShmClient(str(path), timeout=20, session=clients[0].session)
             mover.seq = clients[0].seq + 5
-            assert mover.hello(make_hello(drafter, window=64, max_slots=8)).status == ST_OK
+            assert mover.hello(hello).status == ST_OK
             assert wait_for(lambda: _memfd_mapped_bytes(w.pid) == big)
             assert clients[2].attach(fds[2], big).status == ST_OK  # room again
             assert clients[0].ping(session=0).status == ST_OK  # the old connection is open
@@ -478,3 +484,52 @@ def _scrape(w: WorkerProcess) -> tuple[int, str]:
 
     with urllib.request.urlopen(f"{w.metrics_url}/metrics", timeout=10) as r:
         return r.status, r.read().decode()
+
+
+def test_sparse_regions_cannot_take_the_cap_from_an_engine(tmp_path: Path, drafter: Any) -> None:
+    """Strangers attach sparse memfds (costing them nothing) to take the regions' cap: a region
+    larger than its session's largest STEP rows is refused (the reply's region_bytes says what
+    it could map); sessions that fill the cap with regions they can use, then send no STEP,
+    give them up after reservation_idle_s to the engine's client, which meanwhile sent its
+    rows on the socket with a message naming the cap it met (as many as it needs)."""
+    from dspark_client.client import RemoteDraftClient
+    from dspark_client.config import RemoteConfig
+
+    rows = ROWS * drafter.row_bytes  # 3 MiB: what a ROWS session may map
+    path = tmp_path / "w.sock"
+    with start_worker(*ARGS, "--unix", str(path), "--max-shm-region-bytes", str(4 << 20),
+                      "--max-shm-mapped-bytes", str(2 * rows), "--reservation-idle-s",
+                      "1.5") as w:
+        wide = make_hello(drafter, window=64, max_slots=2, max_rows_per_step=ROWS)
+        with ShmClient(str(path), timeout=20) as small:
+            assert small.hello(make_hello(drafter, window=64, max_slots=2)).status == ST_OK
+            r = small.offer(4 << 20)  # within the per-region limit, over what it can use
+            assert r.status == ST_LIMITS
+            assert ShmAttachReply.unpack(r.body).region_bytes == 256 * drafter.row_bytes
+        assert "is larger than this session can use" in w.log_text()
+        squat = [ShmClient(str(path), timeout=20) for _ in range(2)]
+        fds = [memfd(rows) for _ in squat]
+        t_squat = time.monotonic()
+        for c, fd in zip(squat, fds, strict=True):
+            assert c.hello(wide).status == ST_OK and c.attach(fd, rows).status == ST_OK
+        engine = RemoteDraftClient(
+            RemoteConfig(endpoint=f"unix+shm://{path}", connect_timeout_ms=5000,
+                         timeout_ms=5000, backoff_ms=100, backoff_max_ms=200),
+            make_hello(drafter, window=64, max_slots=2, max_rows_per_step=ROWS,
+                       client_name="engine"))
+        try:
+            assert engine.wait_ready(20.0), engine.last_error
+            reason = engine.stats.snapshot().get("shm_fallback_reason", "")
+            if time.monotonic() - t_squat < 1.5:  # met the squatters' regions: says so
+                assert not engine.rows_in_shm and "--max-shm-mapped-bytes" in reason, reason
+                assert "the worker could map 0 bytes" in reason, reason
+                time.sleep(max(0.0, t_squat + 1.6 - time.monotonic()))
+                engine.mark_failed("reconnect for the region")  # as after a lost round
+                assert wait_for(lambda: engine.rows_in_shm, timeout=20), engine.last_error
+            assert engine.rows_in_shm  # one squatter's region gave way: as much as needed
+            assert _memfd_mapped_bytes(w.pid) == 2 * rows
+            assert "unused (no STEP for" in w.log_text()
+        finally:
+            engine.close()
+            for c in squat:
+                c.close()

@@ -157,13 +157,16 @@ class Client:
     _sessions = itertools.count(0x1000)
 
     def __init__(self, address: tuple[str, int] | str, *, timeout: float = 20.0,
-                 session: int | None = None) -> None:
+                 session: int | None = None, source: str | None = None) -> None:
+        """``source``: the local address to connect from (127.0.0.2: another peer host on
+        the loopback)."""
         if isinstance(address, str):
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.settimeout(timeout)
             self.sock.connect(address)
         else:
-            self.sock = socket.create_connection(address, timeout=timeout)
+            self.sock = socket.create_connection(
+                address, timeout=timeout, source_address=(source, 0) if source else None)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.decoder = FrameDecoder()
         self._pending: deque[Any] = deque()

@@ -83,7 +83,7 @@ def test_config_aliases() -> None:
     ({"target_layer_ids": [0, 2, 6]}, "names a layer past num_target_layers 6"),
     ({"markov_head_type": "lstm"}, "config.json: markov_head_type 'lstm' is not one of"),
     ({"head_dim": 15}, "config.json: head_dim 15 must be even"),
-    ({"rope_theta": -1.0}, "config.json: rope_theta -1.0 must be a positive finite number"),
+    ({"rope_theta": -1.0}, "config.json: rope_theta -1.0 must be a finite number above 1"),
     ({"hidden_act": "gelu"}, "config.json: hidden_act 'gelu' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      "config.json: rope_scaling.rope_type 'yarn' is not supported"),

@@ -402,7 +402,7 @@ def test_config_round_trip_and_family_detection() -> None:
     ({"rope_parameters": {"full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
                                              "partial_rotary_factor": 1.5}}},
      r"partial_rotary_factor 1.5 is outside \(0, 1\]"),
-    ({"final_logit_softcapping": -1.0}, "final_logit_softcapping -1.0 must be a positive"),
+    ({"final_logit_softcapping": -1.0}, r"final_logit_softcapping -1.0 must be a number in \(0,"),
     ({"num_global_key_value_heads": 3}, "num_global_key_value_heads 3 does not divide"),
     ({"global_head_dim": 31}, "global_head_dim 31 must be even"),
     ({"model_type": "gemma3_text", "architectures": ["Gemma3DSparkModel"]},

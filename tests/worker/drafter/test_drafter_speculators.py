@@ -611,7 +611,8 @@ def test_bonus_layout_needs_two_rows() -> None:
     raw = raw_config("gated_bonus_full_sliding")
     raw["block_size"] = 1
     del raw["speculators_config"]
-    with pytest.raises(DrafterConfigError, match="block_size 1 leaves no draft"):
+    with pytest.raises(DrafterConfigError, match="block_size 1 gives N = 0 drafts per block,"
+                                                 " less 1 lead row"):
         parse_config(raw)
 
 
