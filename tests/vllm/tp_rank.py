@@ -20,6 +20,8 @@ def main() -> None:
         import numpy as np
         from vllm.config import set_current_vllm_config
         from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
             init_distributed_environment,
             initialize_model_parallel,
         )
@@ -59,6 +61,12 @@ def main() -> None:
              driver=speculator.is_driver, has_client=speculator.rounds is not None,
              adaptive=speculator.enable_adaptive_verification,
              rounds=speculator.rounds.rounds if speculator.rounds is not None else 0)
+    # Leave as an engine shuts down: the process group's threads ended before the interpreter
+    # (left running, gloo's teardown now and then aborts the process at exit).
+    if speculator.rounds is not None:
+        speculator.rounds.client.close()
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 if __name__ == "__main__":
