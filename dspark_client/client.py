@@ -279,6 +279,7 @@ class RemoteDraftClient:
         self.epoch = 0  # accepted HELLOs so far
         self.disabled_reason: str | None = None
         self.worker_info: wire.HelloReply | None = None
+        self._reply_no_confidence = 0  # RPF_NO_CONFIDENCE as the worker's replies must carry it
         self._last_error: str | None = None
         self.last_refusal: int | None = None  # frame status of the last non-fatal HELLO refusal
         # The worker set and where in it to be; only the connect thread touches these (the
@@ -662,6 +663,9 @@ class RemoteDraftClient:
         """An accepted HELLO's reply: what the worker is and which drafter serves us."""
         self.worker_info = rep
         self.acceptance.set_has_confidence(not rep.capabilities & wire.CAP_NO_CONFIDENCE)
+        # What every reply's RPF_NO_CONFIDENCE bit must then be (checked per STEP).
+        self._reply_no_confidence = (wire.RPF_NO_CONFIDENCE
+                                     if rep.capabilities & wire.CAP_NO_CONFIDENCE else 0)
         self.stats.set("worker", {"name": rep.worker_name, "endpoint": endpoint,
                                   "max_slots": rep.max_slots,
                                   "max_rows_per_step": rep.max_rows_per_step,
@@ -1200,7 +1204,7 @@ class RemoteDraftClient:
             if reply.step_id != step_id:
                 raise wire.WireError(f"reply step_id {reply.step_id} != sent {step_id}",
                                      field="step_id", value=reply.step_id, limit=step_id)
-            if bool(reply.flags & wire.RPF_NO_CONFIDENCE) == self.has_confidence:
+            if reply.flags & wire.RPF_NO_CONFIDENCE != self._reply_no_confidence:
                 raise wire.WireError(
                     f"reply flags {reply.flags:#x}: RPF_NO_CONFIDENCE disagrees with the"
                     f" worker's HELLO (has_confidence {self.has_confidence})", field="flags",

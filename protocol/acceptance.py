@@ -214,9 +214,10 @@ class Acceptance:
         if drafted is None or confidence is None or not len(drafted):
             return
         k = np.asarray(drafted)
-        conf = confidence.astype(np.float32)  # a copy
+        conf = confidence.copy()
         if self._log:
-            self._log[-1][1:3] = k, conf
+            newest = self._log[-1]
+            newest[1], newest[2] = k, conf
         elif self._tail is not None and self._tail.size == k.size:
             # A reader judged the log between this STEP and its reply: the STEP's entries
             # are the slots' newest, so the drafts go straight to the per-slot state.
