@@ -50,7 +50,7 @@ class ClientAcceptance:
         """The worker's drafter has a confidence head, or not (its HELLO's CAP_NO_CONFIDENCE):
         without one nothing predicted is kept or shown."""
         with self._lock:
-            self._acc.totals.has_confidence = bool(has_confidence)
+            self._acc.set_has_confidence(bool(has_confidence))
 
     def record_verified(self, slots: npt.ArrayLike, counts: npt.ArrayLike) -> None:
         with self._lock:

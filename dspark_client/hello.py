@@ -51,13 +51,20 @@ def default_max_rows_per_step(window: int, max_slots: int) -> int:
     return max(window, min(DEFAULT_MAX_ROWS_PER_STEP, window * max_slots))
 
 
-def _field(cfg: dict[str, Any], path: Path, *names: str) -> Any:
+_REQUIRED: Final = object()
+
+
+def _field(cfg: dict[str, Any], path: Path, *names: str, default: Any = _REQUIRED) -> Any:
+    """The first of ``names`` (dotted: nested) that is set; ``default`` when none is, else
+    ValueError."""
     for name in names:
         node: Any = cfg
         for part in name.split("."):
             node = node.get(part) if isinstance(node, dict) else None
         if node is not None:
             return node
+    if default is not _REQUIRED:
+        return default
     raise ValueError(f"{path}: none of {', '.join(names)} is set")
 
 
@@ -87,9 +94,8 @@ def _geometry(cfg: dict[str, Any], cfg_path: Path) -> tuple[int, int, list[int],
     if fmt in (formats.ZLAB_DFLASH, formats.ZLAB_DFLASH2):
         # a Qwen3Config dump: the geometry at the top level, dflash_config's values first; taps
         # numbered as DeepSpec's; the anchor is the bonus token (N = B - 1)
-        block = int(_field(cfg, cfg_path, "dflash_config.block_size", "block_size")
-                    if _has(cfg, "dflash_config.block_size", "block_size")
-                    else _ZLAB_DEFAULT_BLOCK)
+        block = int(_field(cfg, cfg_path, "dflash_config.block_size", "block_size",
+                           default=_ZLAB_DEFAULT_BLOCK))
         taps = _field(cfg, cfg_path, "dflash_config.target_layer_ids", "target_layer_ids")
         return (block - 1, int(cfg.get("vocab_size", 151936)), [int(t) for t in taps],
                 int(cfg.get("hidden_size", 4096)))
@@ -113,14 +119,6 @@ def _geometry(cfg: dict[str, Any], cfg_path: Path) -> tuple[int, int, list[int],
     vocab = int(layer.get("vocab_size", 32000 if layer.get("model_type") == "llama" else 151936))
     aux = _field(cfg, cfg_path, "aux_hidden_state_layer_ids")
     return num_spec, vocab, [int(k) - 1 for k in aux], int(layer.get("hidden_size", 4096))
-
-
-def _has(cfg: dict[str, Any], *names: str) -> bool:
-    try:
-        _field(cfg, Path("config.json"), *names)
-    except ValueError:
-        return False
-    return True
 
 
 def tap_layers(checkpoint: str | Path) -> tuple[int, ...]:

@@ -210,7 +210,9 @@ def schedule_static(num_drafted: Any, sps: SpsTable | None = None,
         room = max(sps.max_batch_tokens - R, 0)
         if int(lengths.sum()) > room:
             # position-major: every request's draft 0, then every draft 1, ... up to the room
-            order = np.argsort(np.concatenate([np.arange(n) for n in lengths]), kind="stable")
+            # each draft's position in its request: 0..lengths[r]-1, request after request
+            pos = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            order = np.argsort(pos, kind="stable")
             req = np.repeat(np.arange(R), lengths)[order[:room]]
             lengths = np.bincount(req, minlength=R)
     lengths = lengths.astype(np.int64)

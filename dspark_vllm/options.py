@@ -18,7 +18,6 @@ worker writes beside them (its identities, contract 6.4), nothing else; with
 
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path
 from typing import Any, Final
@@ -31,10 +30,11 @@ from protocol import wire
 from protocol.constants import IDENTITY_BYTES, NAME_BYTES
 from protocol.identity import (
     IDENTITY_FILE,
-    IDENTITY_FILE_FORMAT,
     SafetensorsError,
     checkpoint_files,
+    read_identity_record,
 )
+from protocol.messages import encode_name
 
 __all__ = ["CLIENT_KEYS", "DEFAULT_WINDOW", "HELLO_KEYS", "RemoteDSparkOptions",
            "default_client_name", "drafter_hello", "parse_options", "recorded_identities"]
@@ -111,10 +111,11 @@ def parse_options(raw: Any) -> RemoteDSparkOptions:
     if name is not None:
         if not isinstance(name, str) or not name:
             raise _refuse("client_name", name, "must be a non-empty string")
-        size = len(name.encode("utf-8"))
-        if size > NAME_BYTES:
-            raise _refuse("client_name", name,
-                          f"is {size} bytes in UTF-8, more than {NAME_BYTES}")
+        try:
+            encode_name(name, "client_name")  # the HELLO's own rule: 32 bytes, no NUL
+        except wire.WireError as exc:
+            why = str(exc).removeprefix(f"client_name {name!r} ")
+            raise _refuse("client_name", name, why) from None
     target = raw.get("target_checkpoint")
     if target is not None and (not isinstance(target, str) or not target):
         raise _refuse("target_checkpoint", target, "must be a path")
@@ -139,19 +140,8 @@ def recorded_identities(drafter: str | Path) -> tuple[bytes, bytes] | None:
     them when it loaded the weights, taken as they are: this host has no weights to check them
     against, and a stale record only makes the worker refuse the HELLO (ST_IDENTITY). None when
     there is no such file; a file that is not such a record is an error."""
-    path = Path(drafter) / IDENTITY_FILE
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(record, dict) or record.get("format") != IDENTITY_FILE_FORMAT:
-            raise ValueError(f"not format {IDENTITY_FILE_FORMAT}")
-        ids = tuple(bytes.fromhex(record[k]) for k in ("drafter_identity", "markov_identity"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{path}: not an identity record the worker wrote ({exc})") from None
-    if any(len(i) != IDENTITY_BYTES for i in ids):
-        raise ValueError(f"{path}: identities must be {IDENTITY_BYTES} bytes each")
-    return ids[0], ids[1]
+    found = read_identity_record(drafter)
+    return None if found is None else (found[0], found[1])
 
 
 def _has_weights(drafter: Path) -> bool:

@@ -187,6 +187,10 @@ class Acceptance:
         self._judge_log()
         return self._totals
 
+    def set_has_confidence(self, has_confidence: bool) -> None:
+        """Whether the drafter has a confidence head (nothing predicted is kept without)."""
+        self._totals.has_confidence = has_confidence
+
     def observe(self, entries: npt.NDArray[Any], drafted: npt.NDArray[Any] | None,
                 confidence: npt.NDArray[Any] | None) -> None:
         """One STEP: its entries (``ENTRY_DTYPE`` records, as sent or received), the positions
@@ -251,9 +255,9 @@ class Acceptance:
         if self._log:
             self._log[-1][3].append((s, c))
             return
-        newest = s[self._seen[s] == self._steps - 1]  # slots of the last STEP, judged
+        in_last = self._seen[s] == self._steps - 1  # slots of the last STEP, judged
+        newest, c = s[in_last], c[in_last]
         k = self._kp1[newest].astype(np.int64) - 1
-        c = c[self._seen[s] == self._steps - 1]
         self._verified[newest] = np.where(k >= 0, np.minimum(c, k), -1)
 
     def _judge_log(self) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from .constants import IDENTITY_BYTES
 from .errors import BadFrameError
 
 MARKOV_PREFIX: Final = "markov_head."
@@ -422,26 +423,38 @@ def identity_inputs(checkpoint: Path | str, refs: Mapping[str, TensorRef]) -> di
     return {"files": dict(sorted(files.items())), "tensors": tensors}
 
 
-def read_identity_file(checkpoint: Path | str,
-                       refs: Mapping[str, TensorRef]) -> tuple[bytes, bytes] | None:
-    """The identities recorded beside ``checkpoint`` if they were computed from exactly these
-    tensors in these files as they are now; None when there is no such file or it is stale,
-    unreadable or of another format."""
+def read_identity_record(checkpoint: Path | str) -> tuple[bytes, bytes, dict[str, Any]] | None:
+    """The ``dspark_identity.json`` beside ``checkpoint``, read with a bound: its drafter and
+    markov identities and the whole record; None when there is no such file. A file that is
+    not such a record raises ValueError naming it."""
     path = Path(checkpoint) / IDENTITY_FILE
     if not path.exists():
         return None
     try:
         record = load_json(read_small_file(path, MAX_IDENTITY_FILE_BYTES), path)
-        if (not isinstance(record, dict) or record.get("format") != IDENTITY_FILE_FORMAT
-                or record.get("inputs") != identity_inputs(checkpoint, refs)):
-            return None
+        if not isinstance(record, dict) or record.get("format") != IDENTITY_FILE_FORMAT:
+            raise ValueError(f"not format {IDENTITY_FILE_FORMAT}")
         drafter, markov = (bytes.fromhex(record[k])
                            for k in ("drafter_identity", "markov_identity"))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not an identity record the worker wrote ({exc})") from None
+    if len(drafter) != IDENTITY_BYTES or len(markov) != IDENTITY_BYTES:
+        raise ValueError(f"{path}: identities must be {IDENTITY_BYTES} bytes each")
+    return drafter, markov, record
+
+
+def read_identity_file(checkpoint: Path | str,
+                       refs: Mapping[str, TensorRef]) -> tuple[bytes, bytes] | None:
+    """The identities recorded beside ``checkpoint`` if they were computed from exactly these
+    tensors in these files as they are now; None when there is no such file or it is stale,
+    unreadable or of another format."""
+    try:
+        found = read_identity_record(checkpoint)
+    except ValueError:
         return None
-    if len(drafter) != 32 or len(markov) != 32:
+    if found is None or found[2].get("inputs") != identity_inputs(checkpoint, refs):
         return None
-    return drafter, markov
+    return found[0], found[1]
 
 
 def write_identity_file(checkpoint: Path | str, refs: Mapping[str, TensorRef],

@@ -49,7 +49,9 @@ HELLO_REP: Final = struct.Struct("<HHHHIIII32s32s32sBxHI")
 AUTH_TAG_OFFSET: Final = HELLO_STRUCT.size - 32
 
 
-def _encode_name(name: str, field: str) -> bytes:
+def encode_name(name: str, field: str) -> bytes:
+    """A client or worker name as the wire carries it; BadFrameError for one too long (UTF-8)
+    or holding a NUL."""
     raw = name.encode("utf-8")
     if len(raw) > NAME_BYTES:
         raise BadFrameError(
@@ -120,7 +122,7 @@ class Hello(msgspec.Struct, frozen=True):
                 self.version, self.sample_mode, self.tap_dtype, self.window, self.num_spec,
                 self.max_slots, self.max_rows_per_step, self.row_bytes, self.vocab_size,
                 self.n_taps, self.flags, self.hidden, self.drafter_identity, self.markov_identity,
-                _encode_name(self.client_name, "client_name"), self.auth_tag,
+                encode_name(self.client_name, "client_name"), self.auth_tag,
             )
         except struct.error as exc:
             raise BadFrameError(f"Hello field out of range: {exc} ({self!r})") from exc
@@ -169,7 +171,7 @@ class HelloReply(msgspec.Struct, frozen=True):
             return HELLO_REP.pack(
                 self.version, self.capabilities, self.window, self.num_spec, self.max_slots,
                 self.max_rows_per_step, self.row_bytes, self.vocab_size, self.drafter_identity,
-                self.markov_identity, _encode_name(self.worker_name, "worker_name"), self.resumed,
+                self.markov_identity, encode_name(self.worker_name, "worker_name"), self.resumed,
                 self.n_taps, self.hidden,
             )
         except struct.error as exc:

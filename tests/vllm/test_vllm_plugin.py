@@ -85,6 +85,7 @@ def test_speculative_config_takes_the_method_and_its_options(
     ({"window": 0}, "speculator_options.window = 0: must be in [1, 65535]"),
     ({"window": 64, "max_rows_per_step": 32}, "max_rows_per_step = 32: must be at least"),
     ({"client_name": "x" * 33}, "client_name = 'xxx"),
+    ({"client_name": "eng\x00a"}, "client_name = 'eng\\x00a': holds a NUL byte"),
     ({"max_slots": True}, "max_slots = True: must be an integer"),
 ])
 def test_speculator_options_are_refused_by_name(target: Any, drafter_dirs: dict[str, Path],
