@@ -99,7 +99,7 @@ def resolve_checkpoint(checkpoint: str | Path,
                 f"{exc}; this drafter was trained against {verifier!r} (config.json"
                 " speculators_config.verifier.name_or_path): --target-checkpoint is that"
                 " model's folder", tensor=exc.tensor, shape=exc.shape,
-                expected=exc.expected) from exc
+                expected=exc.expected, value=exc.value, limit=exc.limit) from exc
         raise
 
 

@@ -327,7 +327,8 @@ def _parse_zlab(raw: Mapping[str, Any], source: str, version: int) -> DFlashConf
         input_embedding_scale=float(number("input_embedding_scale", 1.0) or 0.0),
         output_multiplier=float(number("output_multiplier", 1.0) or 0.0),
         # z-lab soft-caps only for a cap > 0
-        final_logit_softcapping=cap if cap is not None and cap > 0 else None,
+        # (a NaN cap is kept, for validated() to refuse by name)
+        final_logit_softcapping=None if cap is None or cap <= 0 else cap,
         **extra)
     return config.validated(source)
 
@@ -495,19 +496,17 @@ class DFlashDrafterModel(SpeculatorsDrafterModel):
         rows = torch.arange(n, device=device)
         offset = rows.view(-1, 1) - rows.view(1, -1)  # [N, N] query row - key row
         window = c.sliding_window or 0
-        sliding_ctx: Tensor | None = None
-        out: list[tuple[Tensor, Tensor | None]] = []
-        for kind in c.layer_types:
+        by_kind: dict[str, tuple[Tensor, Tensor | None]] = {}  # the biases of a layer kind
+        for kind in dict.fromkeys(c.layer_types):
             slides = kind == "sliding_attention"
             visible = offset >= 0 if c.causal(kind) else None  # [N, N] bool
+            ctx = full
             if slides:
                 near = offset.abs() < window
                 visible = near if visible is None else visible & near
-                if sliding_ctx is None:
-                    sliding_ctx = self._per_query_context(context, n, window)
-            blk = None if visible is None else self._block_bias(visible)
-            out.append((sliding_ctx if slides and sliding_ctx is not None else full, blk))
-        return out
+                ctx = self._per_query_context(context, n, window)
+            by_kind[kind] = (ctx, None if visible is None else self._block_bias(visible))
+        return [by_kind[kind] for kind in c.layer_types]
 
     def _per_query_context(self, context: ContextSource, n: int, window: int) -> Tensor:
         """z-lab's sliding window over the context: query row r sees the newest
@@ -516,8 +515,3 @@ class DFlashDrafterModel(SpeculatorsDrafterModel):
         bias = torch.zeros(per_row.shape, dtype=torch.float32, device=per_row.device)
         bias.masked_fill_(~per_row, float("-inf"))  # [B, N, S]
         return bias.repeat(1, self.config.num_kv_groups, 1).unsqueeze(1)  # [B, 1, G*N, S]
-
-    def _block_bias(self, visible: Tensor) -> Tensor:
-        bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
-        bias.masked_fill_(~visible, float("-inf"))  # [N, N]
-        return bias.repeat(self.config.num_kv_groups, 1)  # [G*N, N]

@@ -55,11 +55,6 @@ from .model import (
 
 MODEL_TYPE_KEY = "speculators_model_type"
 SPECULATORS_MODEL_TYPES = ("dspark",)
-# speculators formats of the same layout that this family does not serve, and why.
-REFUSED_MODEL_TYPES = {
-    "dflash": "a DFlash drafter: the dflash family serves it",
-    "dflash2": "a DFlash2 drafter: the dflash family serves it",
-}
 ARCHITECTURES = ("DSparkDraftModel",)
 LAYER_MODEL_TYPES = ("qwen3", "llama")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -272,11 +267,10 @@ def parse_speculators_config(raw: Mapping[str, Any],
     """A validated :class:`SpeculatorsConfig` from a speculators DSpark config.json."""
     kind = raw.get(MODEL_TYPE_KEY)
     if kind not in SPECULATORS_MODEL_TYPES:
-        why = REFUSED_MODEL_TYPES.get(kind, "not a DSpark drafter") if isinstance(kind, str) \
-            else "not a DSpark drafter"
         raise DrafterConfigError(
-            f"{source}: {MODEL_TYPE_KEY} {kind!r} is not supported ({why}; the worker serves"
-            f" {list(SPECULATORS_MODEL_TYPES)})", field=MODEL_TYPE_KEY, value=kind)
+            f"{source}: {MODEL_TYPE_KEY} {kind!r} is not supported (not a DSpark drafter; the"
+            f" worker serves {list(SPECULATORS_MODEL_TYPES)})", field=MODEL_TYPE_KEY,
+            value=kind)
     r = ConfigReader(raw, source)
     geometry = layer_geometry(r, transformer_layer_config(raw, source), LAYER_PREFIX)
     top = top_level(r, TOP_DEFAULTS)
@@ -720,9 +714,14 @@ class SpeculatorsDrafterModel(DrafterModel):
         if self.config.sliding_window_non_causal:
             return None
         rows = torch.arange(n, device=device)
-        causal = torch.zeros((n, n), dtype=torch.float32, device=device)
-        causal.masked_fill_(rows.unsqueeze(0) > rows.unsqueeze(1), float("-inf"))  # [N, N]
-        return causal.repeat(self.config.num_kv_groups, 1)  # [G*N, N]
+        return self._block_bias(rows.unsqueeze(1) >= rows.unsqueeze(0))  # key row <= query row
+
+    def _block_bias(self, visible: Tensor) -> Tensor:
+        """The additive bias of block rows [G*N, N] fp32 (repeat_kv order): 0 where
+        ``visible`` [N, N] (query row, key row), -inf elsewhere."""
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+        bias.masked_fill_(~visible, float("-inf"))
+        return bias.repeat(self.config.num_kv_groups, 1)
 
     def embed_block(self, block_ids: Tensor) -> Tensor:
         """The block's input embeddings [B, N, d] (the target's embedding of its ids)."""

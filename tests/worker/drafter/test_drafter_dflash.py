@@ -335,6 +335,8 @@ def test_the_legacy_zlab_config_is_never_read_as_deepspec() -> None:
      r"conv_group_size 7 must be a positive divisor of hidden_size 64"),
     ("extra_zlab2_scaled_yarn", "dflash_config.final_logit_softcapping", "12",
      r"dflash_config.final_logit_softcapping '12' is not a number"),
+    ("extra_zlab2_scaled_yarn", "dflash_config.final_logit_softcapping", float("nan"),
+     r"final_logit_softcapping nan must be a number in \(0,"),  # not read as "no cap"
     ("spec_dflash2_b5", "draft_vocab_size", 120,
      r"draft_vocab_size 120 must be the target's transformer_layer_config.vocab_size 300:"
      r" DFlash2 needs the full vocabulary"),
