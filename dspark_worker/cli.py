@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     async def _run() -> int:
         return await WorkerApp(config).run()
 
-    log.info("dspark-worker %s starting (pid %d)", __version__, _pid())
+    log.info("dspark-worker %s starting (pid %d)", __version__, os.getpid())
     try:
         code = _event_loop_run(_run())
     except StartupError as exc:
@@ -265,10 +265,6 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _pid() -> int:
-    return os.getpid()
 
 
 def _event_loop_run(coro: Any) -> int:

@@ -215,6 +215,11 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
         elif upper is not None and v > upper:
             out.append((field, v, f"is over {upper} (the wire field's range)"))
 
+    def non_negative_int(field: str, zero: str) -> None:
+        v = getattr(c, field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            out.append((field, v, f"is not a non-negative integer (0: {zero})"))
+
     def positive_seconds(field: str) -> None:
         v = getattr(c, field)
         if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
@@ -224,15 +229,10 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
     positive_int("max_slots", 0xFFFFFFFF)
     positive_int("max_rows_per_step", 0xFFFFFFFF)
     positive_int("max_sessions")
-    if isinstance(c.max_sessions_per_peer, bool) or not isinstance(c.max_sessions_per_peer, int) \
-            or c.max_sessions_per_peer < 0:
-        out.append(("max_sessions_per_peer", c.max_sessions_per_peer,
-                    "is not a non-negative integer (0: max_sessions)"))
+    non_negative_int("max_sessions_per_peer", "max_sessions")
     positive_int("max_total_slots")
-    for field in ("max_slots_per_connection", "max_slots_per_peer"):
-        v = getattr(c, field)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            out.append((field, v, "is not a non-negative integer (0: the default share)"))
+    non_negative_int("max_slots_per_connection", "the default share")
+    non_negative_int("max_slots_per_peer", "the default share")
     positive_seconds("reservation_idle_s")
     positive_int("max_connections")
     if isinstance(c.max_versions, bool) or not isinstance(c.max_versions, int) \
@@ -244,8 +244,7 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
             and 0 < c.canary_fraction <= 1):
         out.append(("canary_fraction", c.canary_fraction, "is not a fraction in (0, 1]"))
     positive_int("shed_queue_steps")
-    if isinstance(c.threads, bool) or not isinstance(c.threads, int) or c.threads < 0:
-        out.append(("threads", c.threads, "is not a non-negative integer (0: torch's default)"))
+    non_negative_int("threads", "torch's default")
     if isinstance(c.max_frame_bytes, bool) or c.max_frame_bytes < 0:
         out.append(("max_frame_bytes", c.max_frame_bytes, "is negative (0 means automatic)"))
     elif 0 < c.max_frame_bytes < MIN_FRAME_BYTES:
@@ -271,9 +270,8 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
         out.append(("dtype", c.dtype, f"is not one of {', '.join(DTYPES)}"))
     if c.cuda_graphs not in CUDA_GRAPHS:
         out.append(("cuda_graphs", c.cuda_graphs, f"is not one of {', '.join(CUDA_GRAPHS)}"))
-    k = c.dspark_draft_topk
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-        out.append(("dspark_draft_topk", k, "is not a non-negative integer (0: off)"))
+    if c.dspark_draft_topk is not None:
+        non_negative_int("dspark_draft_topk", "off")
     if c.log_level.upper() not in LOG_LEVELS:
         out.append(("log_level", c.log_level, f"is not one of {', '.join(LOG_LEVELS)}"))
     if not c.listen and not c.unix:

@@ -358,25 +358,29 @@ class SessionTable:
         unused = sorted((s for s in stay if self.unused(s, now)),
                         key=lambda s: s.last_step_at)
         evict: list[Session] = []
+        evicted: set[int] = set()  # their ids: membership at the cost of a lookup
 
         def take(candidates: list[Session], short: Callable[[], bool]) -> None:
             for s in candidates:
                 if not short():
                     return
-                if s not in evict:
+                if s.session_id not in evicted:
                     evict.append(s)
+                    evicted.add(s.session_id)
 
         def peer_sessions() -> int:
-            return sum(1 for s in stay if s.peer == peer and s not in evict)
+            return sum(1 for s in stay if s.peer == peer and s.session_id not in evicted)
 
         def peer_lanes() -> int:
-            return sum(s.max_slots for s in stay if s.peer == peer and s not in evict)
+            return sum(s.max_slots for s in stay if s.peer == peer
+                       and s.session_id not in evicted)
 
         def sessions_after() -> int:
             return len(stay) - len(evict) + 1
 
         def free_lanes() -> int:
-            return self.lane_capacity - sum(s.max_slots for s in stay if s not in evict)
+            return self.lane_capacity - sum(s.max_slots for s in stay
+                                            if s.session_id not in evicted)
 
         mine = [s for s in unused if s.peer == peer]
         take(mine, lambda: peer_sessions() >= self.max_per_peer)

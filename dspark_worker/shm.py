@@ -270,7 +270,7 @@ class ShmOps:
     def reply(self, region_bytes: int = 0) -> bytes:
         return ShmAttachReply(self.max_region_bytes, region_bytes).pack()
 
-    def attach(self, conn: Any, fr: Any, rows_bytes: int | None = None) -> bytes:
+    def attach(self, conn: Any, fr: Any, rows_bytes: int) -> bytes:
         """Handle one OP_SHM_ATTACH frame of a session bound to ``conn`` (dispatch checked
         that) whose largest STEP carries ``rows_bytes`` of rows; return the reply body of an
         accepted one, raise the refusal otherwise. Descriptors that came with the frame are
@@ -283,7 +283,7 @@ class ShmOps:
             close_fds([fd for fd in fds if fd >= 0])
 
     def _attach(self, conn: Any, state: ConnShm | None, fr: Any, fds: list[int],
-                rows_bytes: int | None) -> bytes:
+                rows_bytes: int) -> bytes:
         att = ShmAttach.unpack(fr.body)
         if state is None or not self.max_region_bytes or getattr(conn, "kind", "") != "unix":
             why = ("this worker serves no shared-memory regions" if not self.max_region_bytes
@@ -330,9 +330,7 @@ class ShmOps:
         return self.reply(region.nbytes)
 
 
-    def _check_session(self, region_bytes: int, rows_bytes: int | None) -> None:
-        if rows_bytes is None:
-            return
+    def _check_session(self, region_bytes: int, rows_bytes: int) -> None:
         bound = self.session_bound(rows_bytes)
         if region_bytes > bound:
             raise LimitsError(f"SHM_ATTACH region of {region_bytes} bytes is larger than this"
