@@ -125,16 +125,19 @@ class WorkerAcceptance:
             chains.acc.observe(item.view.entries, drafted, confidence)
             chains.snapshot(now)
 
-    def version_added(self, version: Version) -> AcceptanceTotals:
+    def version_added(self, version: Version, *, newest: bool = False) -> AcceptanceTotals:
         """The totals of ``version`` (made at zero the first time, so that its series exist
-        from its load on)."""
-        entry = self._by_version.get(version.number)
-        if entry is None:
-            with self._lock:
+        from its load on). ``newest``: it was just made the newest, so it is kept longest, as
+        ``Versions.kept`` keeps it (an older version made newest again moves to the end)."""
+        with self._lock:
+            entry = self._by_version.get(version.number)
+            if entry is None:
                 entry = self._by_version[version.number] = (
                     version.name, AcceptanceTotals(self.num_spec, version.has_confidence))
-                while len(self._by_version) > VERSIONS_KEPT:
-                    self._by_version.popitem(last=False)
+            elif newest:
+                self._by_version.move_to_end(version.number)
+            while len(self._by_version) > VERSIONS_KEPT:
+                self._by_version.popitem(last=False)
         return entry[1]
 
     def by_version(self) -> dict[int, tuple[str, AcceptanceTotals]]:

@@ -392,7 +392,7 @@ class Dispatcher:
         """Make ``version`` the newest: it serves HELLOs that follow the worker, and its
         values are what refused HELLOs are answered with."""
         self.versions.add(version)
-        self.acceptance.version_added(version)
+        self.acceptance.version_added(version, newest=True)
         self.info = cast(WorkerInfo, version.info)
         self.state_version += 1
 

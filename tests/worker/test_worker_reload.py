@@ -219,3 +219,26 @@ def test_the_canary_shadows_sampled_sessions_with_their_own_seeds(
         judged = summary["acceptance"]["rounds"]
         assert judged + summary["censored_blocks"] >= 20 and judged > 0
         assert summary["serving_acceptance"]["rounds"] == judged
+
+
+def test_acceptance_keeps_the_versions_the_worker_keeps() -> None:
+    """A version made newest again is kept as long as ``Versions.kept`` keeps it: its
+    acceptance series are not the first to go when more versions come."""
+    from types import SimpleNamespace
+
+    from dspark_worker.acceptance import WorkerAcceptance
+    from dspark_worker.versions import VERSIONS_KEPT
+
+    acc = WorkerAcceptance(4)
+
+    def version(n: int) -> Any:
+        return SimpleNamespace(number=n, name=f"v{n}", has_confidence=True)
+
+    first = version(1)
+    totals = acc.version_added(first, newest=True)
+    for n in range(2, VERSIONS_KEPT + 1):
+        acc.version_added(version(n), newest=True)
+    assert acc.version_added(first, newest=True) is totals  # back to version 1
+    acc.version_added(version(VERSIONS_KEPT + 1), newest=True)
+    kept = acc.by_version()
+    assert 1 in kept and 2 not in kept and len(kept) == VERSIONS_KEPT
