@@ -48,7 +48,6 @@ import functools
 import logging
 import math
 import operator
-import os
 import random
 import secrets
 import threading
@@ -85,6 +84,7 @@ from .transport import (
     WaitingRpcClient,
     make_client,
     parse_endpoint,
+    process_id,
 )
 
 __all__ = ["CONNECT_FAIL_LOG_S", "SIZE_SUSPECT_BYTES", "RemoteDraftClient", "StepOutcome"]
@@ -273,7 +273,7 @@ class RemoteDraftClient:
         self._lock = self._shared.lock  # guards session, seq, epoch, conn, ready
         self._io_lock = threading.Lock()  # one request at a time on the connection
         self._scratch = Scratch()  # the sampled checks' arrays; used under _io_lock
-        self._pid = os.getpid()
+        self._pid = process_id()
         self._seq = 0
         self._ready = False
         self.epoch = 0  # accepted HELLOs so far
@@ -414,24 +414,25 @@ class RemoteDraftClient:
             return self._seq
 
     def _forked(self) -> bool:
-        if self._pid == os.getpid():
+        if self._pid == process_id():
             return False
         if self.disabled_reason is None:
             # No lock here: the parent's thread may have held it at fork time.
-            self.disabled_reason = (f"client made in pid {self._pid} used in pid {os.getpid()}"
-                                    " after fork; make a new client in this process")
+            self.disabled_reason = (f"client made in pid {self._pid} used in pid"
+                                    f" {process_id()} after fork; make a new client in this"
+                                    " process")
             self._ready = False
         return True
 
     def close(self) -> None:
         """Say GOODBYE (best effort: the worker frees this session's slots now rather than
         after its idle time), stop the connect thread and close the connection. Idempotent."""
-        if self._pid == os.getpid():
+        if self._pid == process_id():
             self._goodbye()
         self._ready = False
         self._shared.ready_event.clear()
         self.stats.set("connected", False)
-        if self._pid == os.getpid():
+        if self._pid == process_id():
             with self._lock:
                 self._ready = False
                 self._finalizer()
@@ -1099,7 +1100,8 @@ class RemoteDraftClient:
             with self._lock:  # the connection may have been dropped while we packed
                 if self._shared.conn is not conn or self.session != session:
                     return StepOutcome(False, reason="not_ready")
-            seq = self._next_seq()
+                self._seq += 1
+                seq = self._seq
             wire.AppHeader(op=wire.OP_STEP, seq=seq, session=session,
                            body_len=body_len).pack_into(buf, 0)
             # What the reply's checks need of the request alone is computed while the reply
@@ -1129,10 +1131,7 @@ class RemoteDraftClient:
             rtt_us = (time.perf_counter() - t0) * 1e6
             out = self._check_step_reply(size, seq, session, step_id, entries, sent, rtt_us,
                                          body_len, ahead)
-            counts: dict[str, float] = {"steps": 1, "bytes_sent": wire.APP_HEADER_SIZE + body_len,
-                                        "bytes_received": size}
-            if shm_at is not None:
-                counts["steps_shm"] = 1
+            good: tuple[float, float, float] | None = None
             if out.ok and out.reply is not None:
                 self.acceptance.reply_in(out.drafted, out.reply.confidence)
                 if out.reply.flags & wire.RPF_NEWER_DRAFTER and not self._follow_wanted \
@@ -1143,11 +1142,10 @@ class RemoteDraftClient:
                     self._failing_replies = 0
                     with self._lock:
                         self._backoff_ms = self.cfg.backoff_ms
-                counts["steps_ok"] = 1
-                counts["rtt_us_total"] = rtt_us
-                counts["worker_us_total"] = out.reply.worker_us
-                counts["client_us_total"] = (time.perf_counter() - t_start) * 1e6 - rtt_us
-            self.stats.inc_many(counts, (RTT_KEY, rtt_us * 1e-6, STEP_RTT_BUCKETS))
+                good = (rtt_us, out.reply.worker_us,
+                        (time.perf_counter() - t_start) * 1e6 - rtt_us)
+            self.stats.step_answered(wire.APP_HEADER_SIZE + body_len, size, shm_at is not None,
+                                     good, (RTT_KEY, rtt_us * 1e-6, STEP_RTT_BUCKETS))
             return out
         finally:
             self._io_lock.release()

@@ -79,12 +79,19 @@ GAUGES: Final[dict[str, str]] = {
     "fair_bound_rounds": "rounds within which every slot asked in each of them goes out, for"
                          " max_slots slots and the row budget in force",
 }
+# The counters every answered STEP adds to (``Stats.step_answered``), kept in a list by their
+# place here: a STEP costs an add per counter rather than a dict update per key, and readers
+# see them as counters like the others (absent while 0).
+STEP_COUNTERS: Final = ("steps", "steps_ok", "steps_shm", "bytes_sent", "bytes_received",
+                        "rtt_us_total", "worker_us_total", "client_us_total")
+_STEP_PLACE: Final = {key: i for i, key in enumerate(STEP_COUNTERS)}
 
 
 class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters: dict[str, int | float] = {}
+        self._step: list[int | float] = [0] * len(STEP_COUNTERS)
         self._values: dict[str, Any] = {}
         # key -> (upper bounds, per-bucket counts with +Inf last, [sum])
         self._hists: dict[str, tuple[tuple[float, ...], list[int], list[float]]] = {}
@@ -103,6 +110,36 @@ class Stats:
                 c[key] = c.get(key, 0) + n
             if sample is not None:
                 self._observe(*sample)
+
+    def step_answered(self, bytes_sent: int, bytes_received: int, shm: bool,
+                      good: tuple[float, float, float] | None,
+                      sample: tuple[str, float, Sequence[float]]) -> None:
+        """One answered STEP (the client's hot path): ``steps``, ``bytes_sent``,
+        ``bytes_received``, ``steps_shm`` when its rows went through the shared-memory region;
+        for a reply that passed every check (``good``: its round trip, the worker's own time
+        and the client's, µs) ``steps_ok`` and the three ``*_us_total``; and ``sample`` into
+        its histogram as ``observe`` does."""
+        with self._lock:
+            c = self._step
+            c[0] += 1
+            c[3] += bytes_sent
+            c[4] += bytes_received
+            if shm:
+                c[2] += 1
+            if good is not None:
+                c[1] += 1
+                c[5] += good[0]
+                c[6] += good[1]
+                c[7] += good[2]
+            self._observe(*sample)
+
+    def _counters_locked(self) -> dict[str, int | float]:
+        """A copy of every counter, the STEP ones included."""
+        out = dict(self._counters)
+        for key, n in zip(STEP_COUNTERS, self._step, strict=True):
+            if n:
+                out[key] = out.get(key, 0) + n
+        return out
 
     def observe(self, key: str, value: float, buckets: Sequence[float]) -> None:
         """One sample into histogram ``key`` (``buckets``: ascending upper bounds, inclusive;
@@ -139,6 +176,9 @@ class Stats:
     def get(self, key: str, default: Any = None) -> Any:
         """A counter or a value; ``default`` when neither was ever written."""
         with self._lock:
+            place = _STEP_PLACE.get(key)
+            if place is not None and self._step[place]:
+                return self._counters.get(key, 0) + self._step[place]
             if key in self._counters:
                 return self._counters[key]
             return self._values.get(key, default)
@@ -147,7 +187,7 @@ class Stats:
         """Counters and values in one plain dict (values deep-copied, so the caller may keep
         or change it freely)."""
         with self._lock:
-            out: dict[str, Any] = dict(self._counters)
+            out: dict[str, Any] = self._counters_locked()
             values = dict(self._values)
         out.update(copy.deepcopy(values))
         return out
@@ -155,13 +195,14 @@ class Stats:
     def split_snapshot(self) -> tuple[dict[str, int | float], dict[str, Any]]:
         """(counters, values) as separate copies, for an exporter that types them apart."""
         with self._lock:
-            counters = dict(self._counters)
+            counters = self._counters_locked()
             values = dict(self._values)
         return counters, copy.deepcopy(values)
 
     def reset(self) -> None:
         with self._lock:
             self._counters.clear()
+            self._step = [0] * len(STEP_COUNTERS)
             self._values.clear()
             self._hists.clear()
 

@@ -19,7 +19,8 @@ caller makes a new transport (``make_client``) and says HELLO on it.
 
 Fork safety: a socket inherited across ``os.fork()`` is shared with the parent, and two
 processes reading one stream corrupt each other's replies. A transport remembers the PID that
-connected it; used from another PID it drops the inherited descriptor (``close`` only, never
+connected it (``process_id``: a fork made by Python code, os.fork or multiprocessing, moves it
+on in the child); used from another PID it drops the inherited descriptor (``close`` only, never
 ``shutdown``, which would end the parent's connection too) and opens its own connection to the
 same endpoint, inside the request's deadline. The worker binds sessions to connections (6.2),
 so a session HELLOed by the parent answers ``ST_NO_SESSION`` on the child's connection: the
@@ -57,6 +58,7 @@ __all__ = [
     "TransportTimeout",
     "make_client",
     "parse_endpoint",
+    "process_id",
 ]
 
 DEFAULT_PORT: Final = 7600
@@ -65,6 +67,25 @@ DEFAULT_PORT: Final = 7600
 DEFAULT_MAX_REPLY_BYTES: Final = 64 << 20
 # sendmsg takes at most IOV_MAX buffers per call (1024 on Linux and macOS).
 _IOV_MAX: Final = 1024
+
+# This process's id, made current in a child by os.fork() (register_at_fork): a client and its
+# transport compare it with their own on every request instead of a getpid() system call.
+# A fork made outside Python (a C library's fork() whose child then runs this code) is not
+# seen; every fork Python code makes (os.fork, multiprocessing's fork and forkserver) is.
+_PID: list[int] = [os.getpid()]
+
+
+def _after_fork_in_child() -> None:
+    _PID[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def process_id() -> int:
+    """``os.getpid()``, without the system call (see ``_PID``)."""
+    return _PID[0]
+
 
 Buffer = bytes | bytearray | memoryview
 
@@ -197,7 +218,7 @@ class SocketClient:
             raise TransportError(f"{self.endpoint.text}: already connected")
         self._connect_timeout = timeout
         self._sock = self._open(timeout)
-        self._pid = os.getpid()
+        self._pid = process_id()
 
     def _open(self, timeout: float) -> socket.socket:
         ep = self.endpoint
@@ -232,7 +253,7 @@ class SocketClient:
         sock, self._sock = self._sock, None
         if sock is None:
             return
-        if self._pid == os.getpid():
+        if self._pid == process_id():
             # Tell the worker at once (FIN even if another descriptor to the socket exists).
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -306,12 +327,12 @@ class SocketClient:
         sock = self._sock
         if sock is None:
             raise TransportError(f"{self.endpoint.text}: not connected")
-        if self._pid != os.getpid():
+        if self._pid != process_id():
             # Inherited across fork: the parent owns this stream. Drop our descriptor without
             # shutdown (that would cut the parent's connection) and open our own.
             sock.close()
             self._sock = None
-            self._pid = os.getpid()
+            self._pid = process_id()
             self.reconnects_after_fork += 1
             try:
                 sock = self._open(min(self._connect_timeout, deadline - time.monotonic()))

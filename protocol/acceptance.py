@@ -22,6 +22,7 @@ loop runs per slot.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -133,8 +134,8 @@ class AcceptanceTotals:
 PENDING_ROWS = 16384
 # STEPs wait in the log until this many (or LOG_ENTRIES entries, 304 KiB of them with their
 # confidences at N = 7), then are judged together: numpy's fixed cost per call, most of the
-# work for a STEP of a few entries, is paid once per run of them (a fold of 64 one-entry STEPs
-# took about 70 us, so at 256 it is a fraction of a microsecond a STEP).
+# work for a STEP of a few entries, is paid once per run of them (judging 255 one-entry STEPs
+# takes about 70 us, 0.3 us a STEP).
 LOG_STEPS = 256
 LOG_ENTRIES = 4096
 
@@ -153,9 +154,9 @@ class Acceptance:
     ``totals`` judges the log when read; its ``predicted`` is complete after ``flush()``
     (and so are the ``also`` totals)."""
 
-    __slots__ = ("_a1", "_conf", "_gen", "_kp1", "_log", "_log_entries", "_pending",
-                 "_pending_rows", "_seen", "_steps", "_tail", "_totals", "_verified", "also",
-                 "num_spec")
+    __slots__ = ("_a1", "_conf", "_gen", "_kp1", "_log_calls", "_log_conf", "_log_entries",
+                 "_log_k", "_log_n", "_log_replies", "_log_rows", "_pending", "_pending_rows",
+                 "_seen", "_steps", "_tail", "_totals", "_verified", "also", "num_spec")
 
     def __init__(self, max_slots: int, num_spec: int,
                  also: tuple[AcceptanceTotals, ...] = (), has_confidence: bool = True) -> None:
@@ -163,10 +164,17 @@ class Acceptance:
         self._totals = AcceptanceTotals(num_spec, has_confidence)
         self.also = also
         self._steps = 0  # STEPs fed so far: the next one's index
-        # Per STEP not yet judged: [its entries' bytes, drafted k (None: no reply yet, or
-        # none), confidences [n, N], record_verified calls as (slots, counts)].
-        self._log: list[list[Any]] = []
-        self._log_entries = 0
+        # The STEPs not yet judged, a list per column (joined in one call each when judged):
+        # their entries' bytes, entry counts, drafted k (int64 arrays as the reply's check
+        # made them) and confidences' bytes ([n, N] float32; both None: no reply yet, or
+        # none), and the record_verified calls after them (by index in the log).
+        self._log_entries: list[bytes] = []
+        self._log_n: list[int] = []
+        self._log_k: list[npt.NDArray[np.int64] | None] = []
+        self._log_conf: list[bytes | None] = []
+        self._log_calls: dict[int, list[tuple[Any, Any]]] = {}
+        self._log_rows = 0  # entries in the log
+        self._log_replies = 0  # logged STEPs whose drafts were kept
         # The newest STEP's slots once judged, while its reply may still come (None: came).
         self._tail: npt.NDArray[np.intp] | None = None
         self._pending: list[npt.NDArray[np.float32]] = []  # judged blocks' confidences
@@ -203,10 +211,14 @@ class Acceptance:
         """A STEP, as sent or applied (a client feeds it while the reply is on its way): its
         entries judge the blocks drafted before, and become the slots' newest, with no drafts
         until ``keep``. The entries are copied: the caller may reuse their buffer."""
-        if len(self._log) >= LOG_STEPS or self._log_entries >= LOG_ENTRIES:
+        if len(self._log_n) >= LOG_STEPS or self._log_rows >= LOG_ENTRIES:
             self._judge_log()  # every STEP logged so far is complete: this one is newer
-        self._log.append([entries.tobytes(), None, None, []])
-        self._log_entries += entries.shape[0]
+        n = entries.shape[0]
+        self._log_entries.append(entries.tobytes())
+        self._log_n.append(n)
+        self._log_k.append(None)
+        self._log_conf.append(None)
+        self._log_rows += n
         self._steps += 1
 
     def keep(self, drafted: npt.NDArray[Any] | None,
@@ -217,18 +229,19 @@ class Acceptance:
         then hold no pending block."""
         if drafted is None or confidence is None or not len(drafted):
             return
-        k = np.asarray(drafted)
-        conf = confidence.copy()
-        if self._log:
-            newest = self._log[-1]
-            newest[1], newest[2] = k, conf
+        k = np.asarray(drafted, np.int64)
+        if self._log_n:
+            if self._log_k[-1] is None:
+                self._log_replies += 1
+            self._log_k[-1] = k
+            self._log_conf[-1] = np.asarray(confidence, np.float32).tobytes()
         elif self._tail is not None and self._tail.size == k.size:
             # A reader judged the log between this STEP and its reply: the STEP's entries
             # are the slots' newest, so the drafts go straight to the per-slot state.
             inside = self._tail < self._kp1.size
             slots = self._tail[inside]
             self._kp1[slots] = _plus_one(k[inside].astype(np.uint32))
-            self._conf[slots] = conf[inside]
+            self._conf[slots] = confidence[inside]
             self._tail = None
 
     def flush(self) -> None:
@@ -252,8 +265,8 @@ class Acceptance:
             raise ValueError(f"record_verified: slot {bad} is not in 0..{max_slots - 1}")
         if c.size and int(c.min()) < 0:
             raise ValueError(f"record_verified: count {int(c.min())} is negative")
-        if self._log:
-            self._log[-1][3].append((s, c))
+        if self._log_n:
+            self._log_calls.setdefault(len(self._log_n) - 1, []).append((s, c))
             return
         in_last = self._seen[s] == self._steps - 1  # slots of the last STEP, judged
         newest, c = s[in_last], c[in_last]
@@ -265,28 +278,39 @@ class Acceptance:
         slots and generations in the same order as the one before, without RESET or RELEASE
         (an engine's usual rounds), so its rows judge the row before them in place; the
         run's first STEP judges the per-slot state, which its last then replaces."""
-        log, self._log, self._log_entries = self._log, [], 0
-        if not log:
+        sizes = self._log_n
+        if not sizes:
             return
-        N = self.num_spec
-        sizes = [len(step[0]) // REQ_ENTRY_SIZE for step in log]
-        words = np.frombuffer(b"".join(step[0] for step in log), _U4).reshape(
+        ks, confs, calls = self._log_k, self._log_conf, self._log_calls
+        complete = self._log_replies == len(sizes)
+        tail_waits = ks[-1] is None and sizes[-1] > 0  # the newest STEP's reply may still come
+        words = np.frombuffer(b"".join(self._log_entries), _U4).reshape(
             -1, REQ_ENTRY_SIZE // 4)
-        kp1 = _plus_one(np.concatenate([np.zeros(n, np.uint32) if step[1] is None else step[1]
-                                        for step, n in zip(log, sizes, strict=True)],
-                                       dtype=np.uint32, casting="unsafe"))
-        conf = np.concatenate([np.zeros((n, N), np.float32) if step[2] is None else step[2]
-                               for step, n in zip(log, sizes, strict=True)])
+        self._log_entries, self._log_n, self._log_k, self._log_conf = [], [], [], []
+        self._log_calls, self._log_rows, self._log_replies = {}, 0, 0
+        N = self.num_spec
+        # A STEP without a reply has no drafts: zeros in its place.
+        k_parts: list[Any] = ks if complete else [
+            np.zeros(n, np.int64) if k is None else k for k, n in zip(ks, sizes, strict=True)]
+        conf_parts: list[Any] = confs if complete else [
+            bytes(4 * n * N) if c is None else c for c, n in zip(confs, sizes, strict=True)]
+        kp1 = _plus_one(np.frombuffer(b"".join(k_parts), np.int64).astype(np.uint32))
+        conf = np.frombuffer(b"".join(conf_parts), np.float32).reshape(-1, N)
         verified = np.full(kp1.size, -1, np.int64)
-        first_step = self._steps - len(log)
+        if calls:  # what the engine said it verified, on the blocks of the STEP before
+            starts = [0, *itertools.accumulate(sizes)]
+            for t, made in calls.items():
+                rows = slice(starts[t], starts[t + 1])
+                self._verify(made, words[rows, 0], kp1[rows], verified[rows])
+        first_step = self._steps - len(sizes)
         at = 0
         i = 0
-        while i < len(log):  # one run [i, j) of STEPs of n entries, rows [at, at + (j-i) n)
+        while i < len(sizes):  # one run [i, j) of STEPs of n entries, rows [at, at + (j-i) n)
             n, j = sizes[i], i + 1
-            while j < len(log) and sizes[j] == n:
+            while j < len(sizes) and sizes[j] == n:
                 j += 1
             if n == 0:
-                i, at = j, at
+                i = j
                 continue
             w = words[at:at + (j - i) * n].reshape(j - i, n, REQ_ENTRY_SIZE // 4)
             # Where a STEP does not continue the one before, the run ends there.
@@ -295,17 +319,13 @@ class Acceptance:
             cut = np.flatnonzero(~goes_on)
             j = i + 1 + int(cut[0]) if cut.size else j
             rows = slice(at, at + (j - i) * n)
-            for k, (_, _, _, calls) in enumerate(log[i:j]):
-                if calls:
-                    self._verify(calls, w[k, :, 0], kp1[at + k * n:at + (k + 1) * n],
-                                 verified[at + k * n:at + (k + 1) * n])
             self._judge_run(first_step + i, w[:j - i], kp1[rows].reshape(j - i, n),
                             conf[rows].reshape(j - i, n, N), verified[rows].reshape(j - i, n))
             at += (j - i) * n
             i = j
-        # The newest STEP's reply may still come (a reader judged the log in its round trip).
-        self._tail = (words[words.shape[0] - sizes[-1]:, 0].astype(np.intp)
-                      if log[-1][1] is None and sizes[-1] else None)
+        # A reader judged the log in the newest STEP's round trip: its reply goes to the slots.
+        self._tail = (words[words.shape[0] - sizes[-1]:, 0].astype(np.intp) if tail_waits
+                      else None)
 
     def _judge_run(self, first: int, w: npt.NDArray[np.uint32], kp1: npt.NDArray[np.uint32],
                    conf: npt.NDArray[np.float32], verified: npt.NDArray[np.int64]) -> None:

@@ -87,6 +87,27 @@ def test_stats_counters_values_snapshot() -> None:
     assert s.snapshot() == {}
 
 
+def test_stats_step_counters_read_as_counters() -> None:
+    """``step_answered``'s counters are read as the others are: by ``get``, ``snapshot`` and
+    ``split_snapshot``, added to what ``inc`` gave the same key, absent while 0, cleared by
+    ``reset``; its sample lands in the histogram."""
+    s = Stats()
+    s.inc("steps", 5)
+    s.step_answered(100, 40, False, None, ("rtt", 2e-4, (1e-4, 1e-3)))
+    s.step_answered(300, 60, True, (150.0, 20.0, 7.5), ("rtt", 5e-5, (1e-4, 1e-3)))
+    want = {"steps": 7, "steps_ok": 1, "steps_shm": 1, "bytes_sent": 400,
+            "bytes_received": 100, "rtt_us_total": 150.0, "worker_us_total": 20.0,
+            "client_us_total": 7.5}
+    assert s.snapshot() == want
+    assert s.split_snapshot() == (want, {})
+    assert s.get("steps") == 7 and s.get("steps_ok") == 1 and s.get("bytes_sent") == 400
+    assert s.histograms()["rtt"]["buckets"] == [(1e-4, 1), (1e-3, 2), (float("inf"), 2)]
+    s.reset()
+    s.step_answered(10, 4, False, None, ("rtt", 2e-4, (1e-4, 1e-3)))
+    assert s.snapshot() == {"steps": 1, "bytes_sent": 10, "bytes_received": 4}
+    assert s.get("steps_ok") is None and s.get("steps_ok", 0) == 0
+
+
 def test_stats_is_thread_safe() -> None:
     s = Stats()
 

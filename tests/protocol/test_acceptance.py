@@ -131,7 +131,7 @@ def test_a_long_run_is_judged_without_a_reader() -> None:
     for _ in range(3 * LOG_STEPS):
         acc.judge(entries_of([(0, 1, a, 0), (1, 1, a, 0)]))
         acc.keep(np.array([N, N]), np.full((2, N), 0.5, np.float32))
-        assert len(acc._log) <= LOG_STEPS
+        assert len(acc._log_n) <= LOG_STEPS
         a += 2  # one draft accepted, then the target's token
     acc.flush()
     t = acc.totals
