@@ -13,9 +13,10 @@ the reply. Run:
     python bench/bench_client.py --rtt-us 0 # without the round-trip column
     python bench/bench_client.py --live 100 # step() against a real worker: client time per STEP
     python bench/bench_client.py --after-sleep 0,5,50  # the same against the stub, after a wait
-    python bench/bench_client.py --acceptance 4  # the acceptance hook alone, 64 and 256 entries
+    python bench/bench_client.py --acceptance 4  # the acceptance hook alone, 1, 64, 256 entries
     python bench/bench_client.py --paired 1000 --slots 1,64,256  # step() and the rounds in turn
     python bench/bench_client.py --paired 1000 --slots 1 --step-only  # step() cases alone
+    python bench/bench_client.py --paired 400 --slots 1,256 --forms list  # same set everywhere
     python bench/bench_client.py --paired 300 --slots 64 --row-bytes 25600 --new-rows 5
 
 The script runs unchanged at an older revision of the project (copy it into that checkout's
@@ -294,7 +295,9 @@ def bench_step(n: int, sampled: bool, seconds: float, rtt_us: float = 0.0,
 def bench_acceptance(n: int, seconds: float) -> dict[str, Any]:
     """The acceptance hook ``step()`` runs once a reply is in (``ClientAcceptance``), on its
     dearest path: every entry continues its slot and judges the block drafted last round (the
-    anchors advance by 1..N+1 each call). The anchors' update is timed alone and taken off."""
+    anchors advance by 1..N+1 each call). The anchors' update is timed alone and taken off.
+    ``median_us`` is a call's median, which leaves out the calls that judge the log;
+    ``mean_us`` is a call's share of 1,024 calls in a row, those included."""
     from dspark_client.acceptance import ClientAcceptance
 
     rng = np.random.default_rng(2)
@@ -319,11 +322,17 @@ def bench_acceptance(n: int, seconds: float) -> dict[str, Any]:
 
     res = timeit(one, seconds)
     base = timeit(move, seconds / 2)
+    calls = 1024
+    t0 = time.perf_counter_ns()
+    for _ in range(calls):
+        one()
+    mean = (time.perf_counter_ns() - t0) / 1000.0 / calls
     if acc.totals().rounds == 0:
         raise RuntimeError("no block was judged: the benchmark misses the path it times")
     return {"what": "acceptance", "n": n, "N": N, "sampled": False,
             "median_us": res["median_us"] - base["median_us"],
-            "p90_us": res["p90_us"] - base["median_us"]}
+            "p90_us": res["p90_us"] - base["median_us"],
+            "mean_us": mean - base["median_us"]}
 
 
 def bench_live(n: int, steps: int, top_k: int) -> dict[str, Any]:
@@ -564,19 +573,22 @@ def repeat_rounds(n: int, repeat: int) -> None:
 
 
 def paired_rounds(n: int, iters: int, accepted: int = 3, blocks: int = 5,
-                  step_only: bool = False) -> None:
+                  step_only: bool = False, forms: tuple[str, ...] | None = None) -> None:
     """``--paired``: step() and the rounds at n slots, one call of each in turn, ``iters``
     times: every case meets the same moments of the machine's noise, so the ratios of the
     medians hold steadier than those of separate runs. Prints each case's median whole and
     critical time and its ratio to step()'s, and the ratio in each of ``blocks`` equal
     spans of the iterations (its spread). Each round continues every slot with
     ``accepted + 1`` new rows. ``step_only``: the two step() cases alone (no rounds between
-    its calls to evict what it works on)."""
+    its calls to evict what it works on). ``forms``: the rounds between them ("batch",
+    "list"; default every form this tree has): ``("list",)`` gives a tree with
+    ``run_batch`` the same set as one without, for comparing their step()."""
+    if forms is None:
+        forms = ("batch", "list") if hasattr(DraftRounds, "run_batch") else ("list",)
     makers: dict[tuple[str, bool], Callable[[], Any]] = {}
     for sampled in (False, True):
         makers[("step", sampled)] = lambda s=sampled: step_case(n, s)[:3]
-        for form in (() if step_only else ("batch", "list") if hasattr(DraftRounds, "run_batch")
-                     else ("list",)):
+        for form in () if step_only else forms:
             makers[(form, sampled)] = lambda f=form, s=sampled: rounds_case(n, s, f,
                                                                             accepted)
     cases = {key: make() for key, make in makers.items()}
@@ -634,6 +646,10 @@ def main(argv: list[str] | None = None) -> int:
                         " prints the smallest and the median of them (a steadier figure on a"
                         " shared machine) and each round's ratio to step(), whole and less"
                         " the work it runs during the round trip")
+    p.add_argument("--forms", default="", metavar="FORMS",
+                   help="--paired: the rounds between the step() calls, of batch and list"
+                        " (default: both where the tree has run_batch); list alone gives"
+                        " trees with and without run_batch the same set")
     p.add_argument("--step-only", action="store_true",
                    help="--paired: the step() cases alone, without the rounds between them")
     p.add_argument("--paired", type=int, default=0, metavar="ITERS",
@@ -650,14 +666,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="the slots --repeat and --paired run at (default 256)")
     p.add_argument("--acceptance", type=int, default=0, metavar="ROUNDS",
                    help="instead: the acceptance hook step() runs once a reply is in, on its"
-                        " dearest path, at 64 and 256 entries, ROUNDS short medians each")
+                        " dearest path, at 1, 64 and 256 entries, ROUNDS short runs each")
     args = p.parse_args(argv)
     TOP_K, ROW_BYTES = args.top_k, args.row_bytes
     if args.acceptance:
-        for n in (64, 256):
-            meds = [bench_acceptance(n, 0.3)["median_us"] for _ in range(args.acceptance)]
-            print(f"acceptance n {n}: min {min(meds):.1f} median {statistics.median(meds):.1f}"
-                  f" us over {len(meds)} rounds")
+        for n in (1, 64, 256):
+            runs = [bench_acceptance(n, 0.3) for _ in range(args.acceptance)]
+            meds = [r["median_us"] for r in runs]
+            means = [r["mean_us"] for r in runs]
+            print(f"acceptance n {n}: a call's median: min {min(meds):.1f} median"
+                  f" {statistics.median(meds):.1f} us; with the log's judging: min"
+                  f" {min(means):.1f} median {statistics.median(means):.1f} us; over"
+                  f" {len(meds)} rounds")
         return 0
     if args.repeat:
         for n in (int(x) for x in args.slots.split(",")):
@@ -665,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.paired:
         for n in (int(x) for x in args.slots.split(",")):
-            paired_rounds(n, args.paired, args.new_rows - 1, step_only=args.step_only)
+            paired_rounds(n, args.paired, args.new_rows - 1, step_only=args.step_only,
+                          forms=tuple(args.forms.split(",")) if args.forms else None)
         return 0
     if args.after_sleep:
         for ms in (float(x) for x in args.after_sleep.split(",")):

@@ -36,3 +36,9 @@ def test_bench_paired_smoke(capsys: Any) -> None:
     for name in ("step ", "run_batch", "run "):
         assert out.count(name) >= 2, out
     assert out.count("x step(): whole") == 4, out
+    load_bench().paired_rounds(4, 10, forms=("list",))  # the set of a tree without run_batch
+    out = capsys.readouterr().out
+    assert "run_batch" not in out and out.count("x step(): whole") == 2, out
+    bench = load_bench()
+    r = bench.bench_acceptance(1, 0.01)
+    assert r["mean_us"] > 0 and r["median_us"] > 0
