@@ -479,20 +479,27 @@ class WorkerApp:
         problem = geometry_problem(read.loaded.config, disp.info)
         if problem is not None:
             raise ReloadFailed(f"the canary has {problem}")
-        d = await loop.run_in_executor(loader, build_drafter_for, c, read)
-        del read
-        if c.warmup:
-            await loop.run_in_executor(loader, d.warmup)
-        broken = await loop.run_in_executor(loader, self_check, d)
-        if broken is not None:
-            raise ReloadFailed(f"the canary's self-check failed: {broken}")
-        number = versions.next_number()
-        name = version_name(str(d.source), bytes(d.drafter_identity), bytes(d.markov_identity))
-        lanes = canary_lanes(c.canary_fraction, c.max_total_slots)
-        canary = await loop.run_in_executor(loader, functools.partial(
-            Canary, d, fraction=c.canary_fraction, capacity_lanes=lanes, window=c.window,
-            number=number, name=name, source=os.path.realpath(str(d.source)),
-            num_spec=d.num_spec))
+        d = None
+        try:
+            d = await loop.run_in_executor(loader, build_drafter_for, c, read)
+            del read  # the host copy of the weights
+            if c.warmup:
+                await loop.run_in_executor(loader, d.warmup)
+            broken = await loop.run_in_executor(loader, self_check, d)
+            if broken is not None:
+                raise ReloadFailed(f"the canary's self-check failed: {broken}")
+            number = versions.next_number()
+            name = version_name(str(d.source), bytes(d.drafter_identity),
+                                bytes(d.markov_identity))
+            lanes = canary_lanes(c.canary_fraction, c.max_total_slots)
+            canary = await loop.run_in_executor(loader, functools.partial(
+                Canary, d, fraction=c.canary_fraction, capacity_lanes=lanes, window=c.window,
+                number=number, name=name, source=os.path.realpath(str(d.source)),
+                num_spec=d.num_spec))
+        except BaseException:
+            d = None  # what it took of the device goes back, as for a failed reload
+            await loop.run_in_executor(loader, release_device_memory, self.drafter.device)
+            raise
         disp.canary = canary  # the old one's backlog and rings go with it
         disp.state_version += 1
         newest = versions.newest

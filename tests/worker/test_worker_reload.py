@@ -118,13 +118,19 @@ def test_a_reload_without_memory_says_so(reloading: ThreadWorker, folders: dict[
 
 
 def test_the_canary_reloads_and_a_broken_one_leaves_it(folders: dict[str, Path],
-                                                       drafter: Any) -> None:
+                                                       drafter: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    released: list[str] = []
+    monkeypatch.setattr(app_module, "release_device_memory",
+                        lambda device: released.append(str(device)))
     point(folders["canary"], folders["B"])
     with thread_worker(drafter, canary_checkpoint=str(folders["canary"])) as w:
         first = w.call(lambda: w.app.canary.summary())
         assert first["name"].startswith("B@") and first["version"] == 2
         point(folders["canary"], folders["nan"])
+        released.clear()
         assert reload(w)["result"] == "failed"
+        assert released == ["cpu"]  # what the broken canary took of the device goes back
         assert w.call(lambda: w.app.canary.number) == 2  # still the first canary
         point(folders["canary"], folders["C"])
         out = reload(w)
