@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from protocol import formats, wire
 from protocol.constants import SAMPLE_GREEDY, SAMPLE_TOP32
@@ -152,9 +152,12 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
     path = Path(checkpoint)
     cfg, cfg_path = _read_config(path)
     num_spec, vocab, taps, config_hidden = _geometry(cfg, cfg_path)
-    if not target_hidden_size and config_hidden is None:
+    if config_hidden is not None:
+        hidden = int(config_hidden)
+    elif target_hidden_size:
+        hidden = target_hidden_size
+    else:
         raise ValueError(f"{cfg_path}: none of target_hidden_size, hidden_size is set")
-    hidden = target_hidden_size or int(cast(int, config_hidden))
     n_taps = len(taps)
     drafter_id, markov_id = identities or identities_from_checkpoint(path, target_checkpoint)
     if draft_topk is None:

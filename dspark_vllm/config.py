@@ -48,13 +48,16 @@ def drafter_of(spec: SpeculativeConfig) -> str:
     return spec.model
 
 
-def hello_for(spec: SpeculativeConfig, *, max_slots: int, client_name: str) -> Any:
-    """The HELLO of this engine's drafter (``model``), its options and the served model."""
+def hello_for(spec: SpeculativeConfig, *, max_slots: int, client_name: str,
+              identities_needed: bool = True) -> Any:
+    """The HELLO of this engine's drafter (``model``), its options and the served model
+    (``identities_needed`` False: for its geometry alone, without hashing the weights)."""
     opts = parse_options(spec.speculator_options)
     return drafter_hello(drafter_of(spec), opts, max_slots=max_slots, client_name=client_name,
                          target_hidden_size=spec.target_model_config.get_hidden_size(),
                          draft_topk=spec.dspark_draft_topk,
-                         target_checkpoint=checkpoint_of(spec))
+                         target_checkpoint=checkpoint_of(spec),
+                         identities_needed=identities_needed)
 
 
 class RemoteDSparkSpeculatorConfig(DSparkSpeculatorConfig):
@@ -95,8 +98,9 @@ class RemoteDSparkSpeculatorConfig(DSparkSpeculatorConfig):
                 f"speculative method {METHOD!r} drafts greedily: draft_sample_method"
                 f" {spec.draft_sample_method!r} needs draft logits, which the worker does not"
                 " send (greedy drafts keep the target's distribution exact)")
-        # max_slots only bounds the HELLO here; the speculator sends max_num_seqs at most.
-        hello = hello_for(spec, max_slots=1, client_name="")
+        # The geometry alone: the speculator makes the HELLO it sends, identities and all
+        # (the weights are hashed once, there); max_slots only bounds this one.
+        hello = hello_for(spec, max_slots=1, client_name="", identities_needed=False)
         vocab = target.get_vocab_size()
         if hello.vocab_size != vocab:
             raise ValueError(f"{spec.model}/config.json: the drafter's vocabulary is"

@@ -153,39 +153,39 @@ def _has_weights(drafter: Path) -> bool:
 
 def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: int,
                   client_name: str, target_hidden_size: int, draft_topk: int | None = None,
-                  target_checkpoint: str | Path | None = None) -> wire.Hello:
+                  target_checkpoint: str | Path | None = None,
+                  identities_needed: bool = True) -> wire.Hello:
     """The HELLO for the drafter folder ``drafter`` on this host: geometry from its
     ``config.json``; identities from its weights (or a current ``dspark_identity.json`` beside
     them), else from the ``dspark_identity.json`` alone. The hidden size is the served
-    model's; a drafter config that names another is refused here, not by the worker."""
+    model's; a drafter config that names another is refused here, not by the worker.
+    Following the worker's drafter (``follow_drafter``, 6.5) the HELLO names no identities,
+    and nothing is read for them. ``identities_needed`` False: the caller wants the geometry
+    alone (the weights are not hashed; a folder that could not give identities is still
+    refused)."""
     path = Path(drafter)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: no config.json; remote_dspark's model is the drafter's"
                          " folder on this host (its config.json, and its weights or the"
                          f" {IDENTITY_FILE} the worker writes beside them)")
+    none = (bytes(IDENTITY_BYTES), bytes(IDENTITY_BYTES))
     identities = None
-    if not _has_weights(path):
+    if opts.remote.follow_drafter:
+        identities = none
+    elif not _has_weights(path):
         identities = recorded_identities(path)
-        if identities is None and opts.remote.follow_drafter:
-            # Following the worker's drafter (6.5), the HELLO names no identities.
-            identities = (bytes(IDENTITY_BYTES), bytes(IDENTITY_BYTES))
         if identities is None:
             raise ValueError(f"{path}: neither the drafter's weights (*.safetensors) nor the"
                              f" {IDENTITY_FILE} the worker writes beside them; copy one of"
                              " them next to config.json (the HELLO carries the identities),"
                              " or set speculator_options.follow_drafter to draft with"
                              " whichever drafter of this geometry the worker serves")
-    kwargs: dict[str, Any] = {
-        "window": opts.window, "max_slots": max_slots,
-        "max_rows_per_step": opts.max_rows_per_step, "client_name": client_name,
-        "target_checkpoint": opts.target_checkpoint or target_checkpoint,
-        "draft_topk": draft_topk, "identities": identities}
-    try:
-        hello = hello_from_checkpoint(path, **kwargs)
-    except ValueError as exc:
-        if "target_hidden_size, hidden_size" not in str(exc):
-            raise
-        hello = hello_from_checkpoint(path, target_hidden_size=target_hidden_size, **kwargs)
+    elif not identities_needed:
+        identities = none
+    hello = hello_from_checkpoint(
+        path, window=opts.window, max_slots=max_slots, max_rows_per_step=opts.max_rows_per_step,
+        client_name=client_name, target_checkpoint=opts.target_checkpoint or target_checkpoint,
+        target_hidden_size=target_hidden_size, draft_topk=draft_topk, identities=identities)
     if hello.hidden != target_hidden_size:
         raise ValueError(f"{path}/config.json drafts for a target of hidden size"
                          f" {hello.hidden}; the served model's is {target_hidden_size}")

@@ -61,3 +61,22 @@ def test_draft_topk_enters_the_markov_identity(tmp_path: Path) -> None:
     assert hello_from_checkpoint(ckpt, window=8, max_slots=1).markov_identity == walk
     assert hello_from_checkpoint(ckpt, window=8, max_slots=1, draft_topk=0).markov_identity \
         == plain
+
+
+def test_the_targets_hidden_size_is_taken_only_where_the_config_names_none(
+        tmp_path: Path) -> None:
+    """``target_hidden_size`` fills in for a config without one; a config that names its own
+    keeps it (the caller then sees the two disagree), and with neither it is refused."""
+    cfg = json.loads((REFERENCE / "config.json").read_text())
+    ids = (bytes(32), bytes(32))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    h = hello_from_checkpoint(tmp_path, window=8, max_slots=1, identities=ids,
+                              target_hidden_size=4096)
+    assert h.hidden == cfg["target_hidden_size"] != 4096
+    del cfg["target_hidden_size"], cfg["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    h = hello_from_checkpoint(tmp_path, window=8, max_slots=1, identities=ids,
+                              target_hidden_size=4096)
+    assert h.hidden == 4096 and h.row_bytes == h.n_taps * 4096 * 2
+    with pytest.raises(ValueError, match="none of target_hidden_size, hidden_size is set"):
+        hello_from_checkpoint(tmp_path, window=8, max_slots=1, identities=ids)

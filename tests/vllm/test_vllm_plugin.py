@@ -208,3 +208,39 @@ def test_following_the_workers_drafter_needs_config_json_alone(
     assert client.ready, client.last_error
     assert client.follows
     client.close()
+
+
+def test_the_weights_are_hashed_once_and_not_when_following(
+        target: Any, tmp_path: Path, drafter_dirs: dict[str, Path], worker: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drafter folder with weights but no dspark_identity.json: the config check reads its
+    geometry without hashing them, the speculator's HELLO hashes them once (and the worker
+    takes it); following the worker's drafter hashes nothing."""
+    import protocol.identity
+    from dspark_vllm.speculator import RemoteDSparkSpeculator
+
+    weights = tmp_path / "weights"
+    shutil.copytree(drafter_dirs["full"], weights)
+    (weights / "dspark_identity.json").unlink()
+    hashed: list[int] = []
+    real = protocol.identity.identities_from_refs
+
+    def counted(refs: Any) -> Any:
+        hashed.append(1)
+        return real(refs)
+
+    monkeypatch.setattr(protocol.identity, "identities_from_refs", counted)
+    options = {"endpoint": worker.endpoint, "window": 16, "client_name": "hash-once"}
+    spec = speculative_config(target, weights, speculator_options=options)
+    assert hashed == []
+    speculator = RemoteDSparkSpeculator(vllm_config(target, spec, max_num_seqs=2), CPU)
+    client = speculator.rounds.client
+    assert hashed == [1]
+    assert client.ready, client.last_error
+    client.close()
+    spec = speculative_config(target, weights, speculator_options={
+        **options, "follow_drafter": True, "client_name": "hash-none"})
+    speculator = RemoteDSparkSpeculator(vllm_config(target, spec, max_num_seqs=2), CPU)
+    assert speculator.rounds.client.ready, speculator.rounds.client.last_error
+    assert hashed == [1]
+    speculator.rounds.client.close()
