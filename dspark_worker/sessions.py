@@ -357,30 +357,27 @@ class SessionTable:
         # STEP for reservation_idle_s), the longest unused first.
         unused = sorted((s for s in stay if self.unused(s, now)),
                         key=lambda s: s.last_step_at)
-        evict: list[Session] = []
-        evicted: set[int] = set()  # their ids: membership at the cost of a lookup
+        evict: dict[int, Session] = {}  # by id, in the order taken
 
         def take(candidates: list[Session], short: Callable[[], bool]) -> None:
             for s in candidates:
                 if not short():
                     return
-                if s.session_id not in evicted:
-                    evict.append(s)
-                    evicted.add(s.session_id)
+                evict.setdefault(s.session_id, s)
 
         def peer_sessions() -> int:
-            return sum(1 for s in stay if s.peer == peer and s.session_id not in evicted)
+            return sum(1 for s in stay if s.peer == peer and s.session_id not in evict)
 
         def peer_lanes() -> int:
             return sum(s.max_slots for s in stay if s.peer == peer
-                       and s.session_id not in evicted)
+                       and s.session_id not in evict)
 
         def sessions_after() -> int:
             return len(stay) - len(evict) + 1
 
         def free_lanes() -> int:
             return self.lane_capacity - sum(s.max_slots for s in stay
-                                            if s.session_id not in evicted)
+                                            if s.session_id not in evict)
 
         mine = [s for s in unused if s.peer == peer]
         take(mine, lambda: peer_sessions() >= self.max_per_peer)
@@ -407,7 +404,7 @@ class SessionTable:
                             f" {free_lanes()} of {self.lane_capacity} free"
                             " (--max-total-slots)", field="max_total_slots",
                             value=hello.max_slots, limit=free_lanes())
-        return evict
+        return list(evict.values())
 
     def unused(self, s: Session, now: float) -> bool:
         """``s`` reserved lanes and sent no STEP for ``reservation_idle_s``."""
