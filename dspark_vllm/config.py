@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.worker.gpu.spec_decode.dspark.config import DSparkSpeculatorConfig
 
+from dspark_client.adapter.options import drafter_hello, parse_options
 from dspark_client.hello import tap_layers
-
-from .options import drafter_hello, parse_options
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig, SpeculativeConfig

@@ -42,12 +42,12 @@ import torch
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
 from dspark_client.acceptance import record_verified
+from dspark_client.adapter.options import default_client_name, parse_options
 from dspark_client.client import RemoteDraftClient
 from dspark_client.hello import tap_layers
 from dspark_client.rounds import DraftRounds
 
 from .config import drafter_of, hello_for
-from .options import default_client_name, parse_options
 
 if TYPE_CHECKING:
     from vllm.config import SpeculativeConfig, VllmConfig

@@ -112,17 +112,21 @@ def test_nothing_imports_the_vllm_plugin(package: str) -> None:
 
 def test_the_vllm_plugin_builds_on_the_client_never_the_worker() -> None:
     files = sources("dspark_vllm")
-    assert {"__init__.py", "config.py", "options.py", "speculator.py"} <= {p.name for p in files}
+    assert {"__init__.py", "config.py", "speculator.py"} <= {p.name for p in files}
     used = set().union(*(top_level(imported_modules(p)) for p in files))
     assert "dspark_worker" not in used
-    assert {"dspark_client", "protocol", "vllm", "torch"} <= used
+    assert {"dspark_client", "vllm", "torch"} <= used
     # vLLM imports speculator configs in every process: they must not import the speculator
     # (nor torch themselves), as vLLM's own config modules do not (speculator_config.py).
-    for name in ("config.py", "options.py"):
-        modules = imported_modules(ROOT / "dspark_vllm" / name)
-        assert not {m for m in modules if m.startswith("dspark_vllm.speculator")}, name
-        assert "torch" not in top_level(modules), name
-    assert top_level(imported_modules(ROOT / "dspark_vllm" / "options.py")) <= {
+    modules = imported_modules(ROOT / "dspark_vllm" / "config.py")
+    assert not {m for m in modules if m.startswith("dspark_vllm.speculator")}
+    assert "torch" not in top_level(modules)
+
+
+def test_the_adapters_options_import_no_engine() -> None:
+    """The options every engine adapter shares are checked without vLLM, SGLang or torch."""
+    options = ROOT / "dspark_client" / "adapter" / "options.py"
+    assert top_level(imported_modules(options)) <= {
         "__future__", "json", "socket", "pathlib", "typing", "msgspec", "dspark_client",
         "protocol"}
 
