@@ -494,7 +494,7 @@ class WorkerApp:
             lanes = canary_lanes(c.canary_fraction, c.max_total_slots)
             canary = await loop.run_in_executor(loader, functools.partial(
                 Canary, d, fraction=c.canary_fraction, capacity_lanes=lanes, window=c.window,
-                number=number, name=name, source=os.path.realpath(str(d.source)),
+                number=number, name=name, source=str(d.source),
                 num_spec=d.num_spec))
         except BaseException:
             d = None  # what it took of the device goes back, as for a failed reload

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -80,10 +79,11 @@ class Version:
 
 
 def version_name(source: str, drafter_identity: bytes, markov_identity: bytes) -> str:
-    """``<folder>@<8 hex>``: the checkpoint folder's own name (a symlink followed, so that
-    ``current -> v7`` reads ``v7``) and a prefix of SHA-256 over both identities."""
-    folder = Path(os.path.realpath(source)).name if os.path.isdir(source) else source
-    folder = folder or "drafter"
+    """``<folder>@<8 hex>``: the name of the checkpoint folder the drafter was read from (the
+    loader's resolved folder, so that ``current -> v7`` reads ``v7``: never resolved again
+    here, where ``current`` may lead elsewhere by now) and a prefix of SHA-256 over both
+    identities."""
+    folder = Path(source).name or "drafter"
     digest = hashlib.sha256(drafter_identity + markov_identity).hexdigest()[:8]
     return f"{folder}@{digest}"
 
@@ -120,9 +120,8 @@ def geometry_problem(config: Any, info: Any) -> str | None:
 def make_version(number: int, drafter: Any, pool: Any, base_info: Any) -> Version:
     """Version ``number`` of ``drafter``: its HelloReply values are ``base_info``'s with its
     own identities and confidence capability (6.1, 6.5)."""
+    # the folder the loader read (resolved once, there): never resolved again
     source = str(getattr(drafter, "source", "") or "drafter")
-    if os.path.isdir(source):  # the folder itself, where --checkpoint is a symlink to it
-        source = os.path.realpath(source)
     d_id, m_id = bytes(drafter.drafter_identity), bytes(drafter.markov_identity)
     has_confidence = bool(getattr(drafter, "has_confidence", True))
     caps = base_info.capabilities & ~CAP_NO_CONFIDENCE | (0 if has_confidence

@@ -13,12 +13,14 @@ embedding twice for a target with tied embeddings).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -26,18 +28,19 @@ from safetensors.torch import save_file
 from protocol.identity import (
     INDEX_FILE,
     SINGLE_FILE,
+    CheckpointFolder,
     SafetensorsError,
     TensorRef,
-    checkpoint_files,
     drafter_refs,
+    held_folder,
     identities_from_arrays,
-    open_regular,
+    read_ref,
     tensor_index,
     write_identity_file,
 )
 
-from .config import DrafterConfig, DrafterConfigError
-from .families import expected_shapes, family_of, load_config
+from .config import DrafterConfig, DrafterConfigError, read_config_json
+from .families import expected_shapes, family_of, parse_config
 from .limits import CheckpointRefused, check_host_memory
 from .model import DraftModel
 
@@ -80,18 +83,44 @@ class LoadedCheckpoint:
     drafter_identity: bytes
     markov_identity: bytes
     files: tuple[Path, ...]  # every file a tensor was read from, target files included
+    folder: Path | None = None  # the folder read: absolute, no symlink in it
+    config_json: Mapping[str, Any] = field(default_factory=dict)  # config.json's object
 
 
-def resolve_checkpoint(checkpoint: str | Path,
-                       target_checkpoint: str | Path | None = None
+def resolve_checkpoint(checkpoint: str | Path | CheckpointFolder,
+                       target_checkpoint: str | Path | CheckpointFolder | None = None
                        ) -> tuple[DrafterConfig, dict[str, TensorRef]]:
-    """The config and where each drafter tensor lies, every name and shape checked."""
-    directory = Path(checkpoint)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a checkpoint directory")
-    config = load_config(directory)
+    """The config and where each drafter tensor lies, every name and shape checked. Held
+    folders are read through, and so are the tensors later; paths are opened for this call
+    alone (``load_checkpoint`` holds its folders for the whole load)."""
+    with _held(checkpoint, target_checkpoint) as (folder, target):
+        config, _raw, refs = _resolve_held(folder, target)
+        if folder is not checkpoint:
+            refs = {name: ref.detached() for name, ref in refs.items()}
+        return config, refs
+
+
+@contextlib.contextmanager
+def _held(checkpoint: str | Path | CheckpointFolder,
+          target_checkpoint: str | Path | CheckpointFolder | None
+          ) -> Iterator[tuple[CheckpointFolder, CheckpointFolder | None]]:
+    """Both folders held for the ``with`` block; a path that is no folder is refused as
+    CheckpointError."""
     try:
-        return _resolve(directory, config, target_checkpoint)
+        with held_folder(checkpoint) as folder, held_folder(target_checkpoint) as target:
+            assert folder is not None
+            yield folder, target
+    except SafetensorsError as exc:
+        raise CheckpointError(str(exc), tensor=exc.field, value=exc.value,
+                              limit=exc.limit) from None
+
+
+def _resolve_held(folder: CheckpointFolder, target: CheckpointFolder | None
+                  ) -> tuple[DrafterConfig, dict[str, Any], dict[str, TensorRef]]:
+    raw, source = read_config_json(folder)
+    config = parse_config(raw, source)
+    try:
+        return config, raw, _resolve(folder, config, target)
     except CheckpointError as exc:
         verifier = getattr(config, "verifier", None)  # the target it was trained against
         if verifier and exc.tensor in TARGET_TENSORS:
@@ -103,13 +132,14 @@ def resolve_checkpoint(checkpoint: str | Path,
         raise
 
 
-def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Path | None
-             ) -> tuple[DrafterConfig, dict[str, TensorRef]]:
+def _resolve(folder: CheckpointFolder, config: DrafterConfig,
+             target_checkpoint: CheckpointFolder | None) -> dict[str, TensorRef]:
+    directory = folder.path
     family = family_of(config)
     family.check_folder(directory)
     expected = expected_shapes(config)
     try:
-        refs = tensor_index(checkpoint_files(directory))
+        refs = tensor_index(folder)
         only_target = family.from_target(config)
         for name in TARGET_TENSORS:  # a family that names its target tensors owns the others
             if only_target and name not in only_target and name not in refs:
@@ -136,11 +166,12 @@ def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Pa
                 tensor=unexpected[0], shape=refs[unexpected[0]].shape)
         lacking = [name for name in TARGET_TENSORS if name not in refs]
         if lacking:  # from the target, or the error engines get too (protocol.identity)
-            refs = drafter_refs(directory, target_checkpoint)
+            refs = drafter_refs(folder, target_checkpoint)
     except SafetensorsError as exc:
         raise CheckpointError(str(exc), tensor=exc.field, value=exc.value,
                               limit=exc.limit) from None
-    _log_target_tensors(refs, lacking, target_checkpoint)
+    _log_target_tensors(refs, lacking,
+                        target_checkpoint.path if target_checkpoint is not None else None)
     for name, shape in expected.items():
         ref = refs.get(name)
         if ref is None:  # embed_tokens / lm_head: drafter_refs said so already
@@ -161,7 +192,7 @@ def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Pa
                                   tensor=name, shape=ref.shape, value=nbytes, limit=need)
     check_derived(config, str(directory / "config.json"))
     check_host_memory(sum(ref.end - ref.start for ref in refs.values()), str(directory))
-    return config, refs
+    return refs
 
 
 def check_derived(config: DrafterConfig, source: str) -> None:
@@ -196,28 +227,47 @@ def load_checkpoint(checkpoint: str | Path, target_checkpoint: str | Path | None
     ``model.safetensors.index.json``); ``embed_tokens`` / ``lm_head`` come from
     ``target_checkpoint`` when the drafter has none. ``record_identities``: write
     ``dspark_identity.json`` beside it (when writable) so that engines need not hash the
-    weights for their HELLO."""
-    config, refs = resolve_checkpoint(checkpoint, target_checkpoint)
-    tensors = {name: read_tensor(name, ref) for name, ref in refs.items()}
-    family = family_of(config)
-    try:
-        family.check_tensors(config, tensors)
-    except ValueError as exc:
-        raise CheckpointError(f"{checkpoint}: {exc}") from exc
-    log.info("%s: %s drafter, N %d (block %d), vocab %d (drafts over %d), taps of target"
-             " layers %s (outputs of those layers; -1 the embedding), %d draft layers",
-             checkpoint, family.name, config.num_spec, config.block_size, config.vocab_size,
-             config.draft_vocab, list(config.target_layer_ids), config.num_hidden_layers)
-    # Hashed from the loaded bytes: the weights are read once, and what is hashed is exactly
-    # what runs (hashing the files beside the loaded copy doubled the resident memory).
-    drafter_id, markov_id = identities_from_arrays(
-        {name: (ref.dtype, ref.shape, _raw_bytes(tensors[name])) for name, ref in refs.items()})
-    if record_identities:
-        written = write_identity_file(checkpoint, refs, (drafter_id, markov_id))
-        log.info("identities %s", f"recorded in {written} for engines" if written else
-                 f"not recorded beside {checkpoint} (not writable): engines hash the weights")
-    files = tuple(sorted({ref.path for ref in refs.values()}))
-    return LoadedCheckpoint(config, tensors, drafter_id, markov_id, files)
+    weights for their HELLO.
+
+    Exactly one checkpoint is read: each folder is resolved once and held open
+    (``protocol.identity.CheckpointFolder``), each file opened once and its header and tensors
+    read through that descriptor, and a folder whose files changed meanwhile (rewritten,
+    replaced, added or removed) is refused with "the checkpoint changed while it was read",
+    naming the file. The loaded checkpoint, its identities and its identity record are those
+    of the folder read (``LoadedCheckpoint.folder``), whatever its name leads to by then."""
+    with _held(checkpoint, target_checkpoint) as (folder, target):
+        config, raw, refs = _resolve_held(folder, target)
+        tensors = {name: read_tensor(name, ref) for name, ref in refs.items()}
+        try:
+            for held in (folder, target):
+                if held is not None:
+                    held.check_unchanged()
+        except SafetensorsError as exc:
+            raise CheckpointError(str(exc), tensor=exc.field, value=exc.value) from None
+        family = family_of(config)
+        try:
+            family.check_tensors(config, tensors)
+        except ValueError as exc:
+            raise CheckpointError(f"{folder.path}: {exc}") from exc
+        log.info("%s: %s drafter, N %d (block %d), vocab %d (drafts over %d), taps of target"
+                 " layers %s (outputs of those layers; -1 the embedding), %d draft layers",
+                 folder.path, family.name, config.num_spec, config.block_size,
+                 config.vocab_size, config.draft_vocab, list(config.target_layer_ids),
+                 config.num_hidden_layers)
+        # Hashed from the loaded bytes and the config read: the weights are read once, and
+        # what is hashed is exactly what runs (hashing the files beside the loaded copy
+        # doubled the resident memory).
+        drafter_id, markov_id = identities_from_arrays(
+            {name: (ref.dtype, ref.shape, _raw_bytes(tensors[name]))
+             for name, ref in refs.items()}, raw)
+        if record_identities:
+            written = write_identity_file(folder, refs, (drafter_id, markov_id))
+            log.info("identities %s", f"recorded in {written} for engines" if written else
+                     f"not recorded beside {folder.path} (not writable): engines hash the"
+                     " weights")
+        files = tuple(sorted({ref.path for ref in refs.values()}))
+        return LoadedCheckpoint(config, tensors, drafter_id, markov_id, files,
+                                folder=folder.path, config_json=raw)
 
 
 def check_device_memory(tensors: dict[str, torch.Tensor], device: torch.device,
@@ -258,7 +308,8 @@ def _log_target_tensors(refs: dict[str, TensorRef], lacking: list[str],
 
 
 def read_tensor(name: str, ref: TensorRef) -> torch.Tensor:
-    """One tensor's bytes from its file (nothing else of the file is read)."""
+    """One tensor's bytes from its file (nothing else of the file is read), through the
+    file's open descriptor where the ref has one."""
     dtype = TORCH_DTYPES.get(ref.dtype) or INDEX_TORCH_DTYPES[ref.dtype]
     count = math.prod(ref.shape)
     nbytes = ref.end - ref.start
@@ -271,13 +322,11 @@ def read_tensor(name: str, ref: TensorRef) -> torch.Tensor:
         return torch.empty(ref.shape, dtype=dtype)
     data = bytearray(nbytes)
     try:
-        f = open_regular(ref.path)
+        got = read_ref(ref, memoryview(data))
     except SafetensorsError as exc:
         raise CheckpointError(str(exc), tensor=name) from None
-    with f:
-        f.seek(ref.start)
-        if f.readinto(data) != nbytes:
-            raise CheckpointError(f"{ref.path}: tensor {name} is cut short", tensor=name)
+    if got != nbytes:
+        raise CheckpointError(f"{ref.path}: tensor {name} is cut short", tensor=name)
     # safetensors stores little-endian; every platform torch runs the drafter on is too.
     return torch.frombuffer(data, dtype=dtype).view(ref.shape)
 

@@ -21,10 +21,13 @@ When a field and its alias are both present they must agree.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from protocol.identity import CONFIG_FILE, CheckpointFolder, SafetensorsError, read_config
 
 from .limits import MAX_BLOCK_SPEC, MAX_TAPS, CheckpointRefused, read_json_file, size_problem
 
@@ -134,14 +137,26 @@ class DrafterConfig:
         return self
 
 
-def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
-    """The object in ``config.json`` (a file, or a checkpoint directory holding one) and the
-    name errors call it by. ``families.load_config`` picks the family and parses it."""
+def read_config_json(path: str | Path | CheckpointFolder) -> tuple[dict[str, Any], str]:
+    """The object in ``config.json`` (a file, a checkpoint directory holding one, or a held
+    folder, read through it) and the name errors call it by. ``families.load_config`` picks
+    the family and parses it."""
+    if isinstance(path, CheckpointFolder):
+        try:
+            raw = read_config(path)
+        except SafetensorsError as exc:
+            raise DrafterConfigError(str(exc), field=CONFIG_FILE, value=exc.value,
+                                     limit=exc.limit) from None
+        if raw is None:
+            raise DrafterConfigError(no_config_message(path.path), field=None,
+                                     value=str(path / CONFIG_FILE))
+        return raw, CONFIG_FILE
     path = Path(path)
     if path.is_dir():
-        path = path / "config.json"
+        path = path / CONFIG_FILE
     if not path.exists():
-        raise DrafterConfigError(f"{path}: no config.json", field=None, value=str(path))
+        raise DrafterConfigError(no_config_message(path.parent) if path.name == CONFIG_FILE
+                                 else f"{path}: no config.json", field=None, value=str(path))
     try:
         raw, _ = read_json_file(path)
     except CheckpointRefused as exc:
@@ -150,6 +165,35 @@ def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
     if not isinstance(raw, dict):
         raise DrafterConfigError(f"{path}: the top level is {type(raw).__name__}, not an object")
     return raw, path.name
+
+
+# Sub-folders named when a folder without config.json holds checkpoints one level down.
+SUBFOLDERS_NAMED = 8
+
+
+def no_config_message(directory: Path) -> str:
+    """A folder without config.json: say so, and name its sub-folders that hold one (a
+    speculators training run keeps a checkpoint per epoch, ``0/``, ``1/``, and
+    ``checkpoint_best/``)."""
+    text = f"{directory / CONFIG_FILE}: no config.json"
+    try:
+        found = [entry.name for entry in sorted(os.scandir(directory), key=_subfolder_order)
+                 if entry.is_dir() and os.path.isfile(os.path.join(entry.path, CONFIG_FILE))]
+    except OSError:
+        return text
+    if not found:
+        return text
+    named = ", ".join(f"{name}/" for name in found[:SUBFOLDERS_NAMED])
+    more = f" and {len(found) - SUBFOLDERS_NAMED} more" if len(found) > SUBFOLDERS_NAMED else ""
+    return (f"{text}; it is not a checkpoint folder but holds {len(found)} with a config.json"
+            f" (a training run's checkpoints?): {named}{more}; pass one of them as the"
+            " checkpoint")
+
+
+def _subfolder_order(entry: os.DirEntry[str]) -> tuple[bool, int, str]:
+    """Numbered sub-folders (epochs) first, by number; then the others by name."""
+    name = entry.name
+    return (not name.isdigit(), int(name) if name.isdigit() else 0, name)
 
 
 def parse_qwen3_config(raw: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:

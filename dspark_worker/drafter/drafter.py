@@ -12,8 +12,11 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -28,7 +31,7 @@ from protocol.identity import (
 )
 
 from .checkpoint import LoadedCheckpoint, check_device_memory, load_checkpoint, tensor_records
-from .config import DrafterConfig, DrafterConfigError, read_config_json
+from .config import DrafterConfig, DrafterConfigError
 from .embedded import EMBEDDED_CONFIG, EMBEDDED_SEED, random_tensors
 from .families import build_model, family_of
 from .model import DenseContext, DraftModel
@@ -470,13 +473,6 @@ def check_draft_topk(k: object, config: DrafterConfig, source: str) -> int:
     return k
 
 
-def checkpoint_draft_topk(checkpoint: str | Path) -> int | None:
-    """The checkpoint config.json's ``dspark_draft_topk`` (None when absent or null)."""
-    raw, _ = read_config_json(checkpoint)
-    value = raw.get("dspark_draft_topk")
-    return None if value is None else value  # checked by Drafter against the vocabulary
-
-
 def _cuda_graph_factory(device: torch.device) -> ReplayFactory:
     mempool = torch.cuda.graph_pool_handle()  # one pool for every bucket's graph
 
@@ -531,9 +527,10 @@ def read_drafter(checkpoint: str | Path, target_checkpoint: str | Path | None = 
     """Read and check a DeepSpec checkpoint folder (``load_checkpoint``) and the candidate
     walk's k (None: the checkpoint config's ``dspark_draft_topk``, else off; 0: off)."""
     loaded = load_checkpoint(checkpoint, target_checkpoint, record_identities=record_identities)
-    if draft_topk is None:
-        draft_topk = checkpoint_draft_topk(checkpoint)
-    src = str(checkpoint) if source is None else source
+    if draft_topk is None:  # from the config read with the weights, not the file read again
+        draft_topk = loaded.config_json.get("dspark_draft_topk")
+    # the folder read, not its name: ``current -> v7`` switched since still reads v7
+    src = str(loaded.folder or checkpoint) if source is None else source
     return ReadDrafter(loaded, src, check_draft_topk(draft_topk or 0, loaded.config, src))
 
 
@@ -553,10 +550,14 @@ def load_drafter(checkpoint: str | Path | None, target_checkpoint: str | Path | 
 
 def from_tensors(config: DrafterConfig, tensors: dict[str, torch.Tensor], *,
                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                 source: str = "in-memory") -> Drafter:
-    """A drafter over in-memory tensors (checkpoint layout); identities from their bytes."""
+                 source: str = "in-memory", config_json: Mapping[str, Any] | None = None
+                 ) -> Drafter:
+    """A drafter over in-memory tensors (checkpoint layout); identities from their bytes and
+    ``config_json``, the config.json object it stands for (None: the one ``save_checkpoint``
+    writes for ``config``)."""
     dev, dt = _resolve(device, dtype)
-    drafter_id, markov_id = identities_from_arrays(tensor_records(tensors))
+    drafter_id, markov_id = identities_from_arrays(
+        tensor_records(tensors), config.to_json_dict() if config_json is None else config_json)
     model = build_model(config, tensors, device=dev, dtype=dt)
     return Drafter(model, drafter_identity=drafter_id, markov_identity=markov_id, source=source)
 
@@ -595,4 +596,4 @@ def embedded_identities() -> tuple[bytes, bytes]:
 def random_identities() -> tuple[bytes, bytes]:
     """(drafter_identity, markov_identity) of ``random_default``, without building a model."""
     tensors = random_tensors(EMBEDDED_CONFIG, EMBEDDED_SEED)
-    return identities_from_arrays(tensor_records(tensors))
+    return identities_from_arrays(tensor_records(tensors), EMBEDDED_CONFIG.to_json_dict())

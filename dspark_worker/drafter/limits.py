@@ -19,11 +19,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from protocol.constants import MAX_NUM_SPEC
-from protocol.identity import SafetensorsError, load_json, read_small_file
+from protocol.identity import MAX_CONFIG_BYTES, SafetensorsError, load_json, read_small_file
 
-# config.json: a drafter's is a few KB; a bound far above that keeps an endless or huge file
-# (a symlink to /dev/zero) from filling memory.
-MAX_CONFIG_BYTES: Final = 1 << 20
 # Sizes a config.json may declare, with why each bound is safe: each is far above what any
 # drafter or target uses, and low enough that nothing built from the config before its tensors
 # are checked (a layer list, a table per layer) can take the machine's memory or time.
