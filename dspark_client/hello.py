@@ -26,13 +26,20 @@ always comes from the target checkpoint. A z-lab DFlash drafter (``architectures
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Final
 
 from protocol import formats, wire
 from protocol.constants import SAMPLE_GREEDY, SAMPLE_TOP32
-from protocol.identity import identities_from_checkpoint, markov_walk_identity
+from protocol.identity import (
+    CONFIG_FILE,
+    CheckpointFolder,
+    SafetensorsError,
+    held_folder,
+    identities_from_checkpoint,
+    markov_walk_identity,
+    read_config,
+)
 
 __all__ = ["DEFAULT_MAX_ROWS_PER_STEP", "default_max_rows_per_step", "hello_from_checkpoint",
            "tap_layers"]
@@ -68,14 +75,18 @@ def _field(cfg: dict[str, Any], path: Path, *names: str, default: Any = _REQUIRE
     raise ValueError(f"{path}: none of {', '.join(names)} is set")
 
 
-def _read_config(checkpoint: str | Path) -> tuple[dict[str, Any], Path]:
-    cfg_path = Path(checkpoint) / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{cfg_path}: cannot read the drafter config ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_path}: not a JSON object")
+def _read_config(checkpoint: str | Path | CheckpointFolder) -> tuple[dict[str, Any], Path]:
+    """config.json's object, read through the held folder (the one its identity is read from),
+    with the reader's bounds: a regular file only, of at most ``MAX_CONFIG_BYTES``."""
+    with held_folder(checkpoint) as folder:
+        assert folder is not None
+        cfg_path = folder / CONFIG_FILE
+        try:
+            cfg = read_config(folder)
+        except SafetensorsError as exc:
+            raise ValueError(f"{cfg_path}: cannot read the drafter config ({exc})") from exc
+    if cfg is None:
+        raise ValueError(f"{cfg_path}: cannot read the drafter config (no such file)")
     return cfg, cfg_path
 
 
@@ -149,8 +160,21 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
     session out of its acceptance figures. identities: the (drafter, Markov) identities when
     the caller has them without the weights (a worker's ``dspark_identity.json`` copied to the
     engine host); None: from the checkpoint's files."""
-    path = Path(checkpoint)
-    cfg, cfg_path = _read_config(path)
+    with held_folder(checkpoint) as folder:  # config and weights read from one folder
+        assert folder is not None
+        return _hello(folder, window=window, max_slots=max_slots,
+                      max_rows_per_step=max_rows_per_step, sampled=sampled,
+                      client_name=client_name, target_checkpoint=target_checkpoint,
+                      target_hidden_size=target_hidden_size, draft_topk=draft_topk,
+                      synthetic=synthetic, identities=identities)
+
+
+def _hello(folder: CheckpointFolder, *, window: int, max_slots: int,
+           max_rows_per_step: int | None, sampled: bool, client_name: str,
+           target_checkpoint: str | Path | None, target_hidden_size: int | None,
+           draft_topk: int | None, synthetic: bool,
+           identities: tuple[bytes, bytes] | None) -> wire.Hello:
+    cfg, cfg_path = _read_config(folder)
     num_spec, vocab, taps, config_hidden = _geometry(cfg, cfg_path)
     if config_hidden is not None:
         hidden = int(config_hidden)
@@ -159,7 +183,7 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
     else:
         raise ValueError(f"{cfg_path}: none of target_hidden_size, hidden_size is set")
     n_taps = len(taps)
-    drafter_id, markov_id = identities or identities_from_checkpoint(path, target_checkpoint)
+    drafter_id, markov_id = identities or identities_from_checkpoint(folder, target_checkpoint)
     if draft_topk is None:
         draft_topk = cfg.get("dspark_draft_topk") or 0
     markov_id = markov_walk_identity(markov_id, int(draft_topk))

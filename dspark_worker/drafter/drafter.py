@@ -15,7 +15,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Any
 
 import numpy as np
