@@ -13,10 +13,12 @@ import hashlib
 import hmac
 import os
 import struct
+from pathlib import Path
 
 import msgspec
 
 from .errors import AuthError, BadFrameError
+from .identity import RegularFile, SafetensorsError
 from .messages import AUTH_TAG_OFFSET, Hello
 
 ZERO_TAG = bytes(32)
@@ -27,13 +29,18 @@ MAX_SECRET_FILE_BYTES = 64 << 10
 def read_secret_file(path: str | os.PathLike[str]) -> bytes:
     """The shared secret in a file, the one rule for worker and client alike: surrounding
     whitespace (the newline of ``echo secret > file`` or of a Kubernetes secret) is not part
-    of it. Raises ValueError naming the file for an unreadable, oversized or empty one."""
+    of it. Raises ValueError naming the file for an unreadable, oversized or empty one. It is
+    read as a checkpoint's files are: a regular file only (a FIFO, which would block the open
+    for ever, or a device is refused by name), opened without blocking, at most
+    ``MAX_SECRET_FILE_BYTES + 1`` bytes read."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SECRET_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"{os.fspath(path)!r} cannot be read: {exc.strerror or exc}") from None
-    if len(data) > MAX_SECRET_FILE_BYTES:
+        with RegularFile(Path(path)) as f:
+            size = f.size
+            data = f.read(0, MAX_SECRET_FILE_BYTES + 1)
+    except SafetensorsError as exc:
+        raise ValueError(f"{os.fspath(path)!r} cannot be read as a secret file:"
+                         f" {str(exc).removeprefix(f'{Path(path)}: ')}") from None
+    if max(size, len(data)) > MAX_SECRET_FILE_BYTES:
         raise ValueError(f"{os.fspath(path)!r} is over {MAX_SECRET_FILE_BYTES} bytes; not a"
                          " secret file")
     data = data.strip()

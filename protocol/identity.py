@@ -86,7 +86,7 @@ class TensorRef:
     __slots__ = ("dtype", "end", "file", "path", "shape", "start")
 
     def __init__(self, path: Path, dtype: str, shape: tuple[int, ...], start: int,
-                 end: int, file: CheckpointFile | None = None) -> None:
+                 end: int, file: RegularFile | None = None) -> None:
         self.path, self.dtype, self.shape, self.start, self.end = path, dtype, shape, start, end
         self.file = file
 
@@ -142,7 +142,7 @@ def open_regular(path: Path | str) -> io.BufferedReader:
     return open(fd, "rb")
 
 
-class CheckpointFile:
+class RegularFile:
     """One regular file open for reading, with its status when it was opened (``stat``): every
     read goes through this descriptor, so what is read is that file whatever its name comes to
     mean meanwhile."""
@@ -194,7 +194,7 @@ class CheckpointFile:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> CheckpointFile:
+    def __enter__(self) -> RegularFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -202,8 +202,8 @@ class CheckpointFile:
 
 
 def read_small_file(path: Path | str, limit: int) -> bytes:
-    """The whole of a regular file of at most ``limit`` bytes (``CheckpointFile.read_small``)."""
-    with CheckpointFile(Path(path)) as f:
+    """The whole of a regular file of at most ``limit`` bytes (``RegularFile.read_small``)."""
+    with RegularFile(Path(path)) as f:
         return f.read_small(limit)
 
 
@@ -223,14 +223,14 @@ def _uint(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def read_header(path: Path | CheckpointFile) -> dict[str, TensorRef]:
+def read_header(path: Path | RegularFile) -> dict[str, TensorRef]:
     """The tensors of one safetensors file, by name (``__metadata__`` left out). The header's
     length, every entry's dtype, shape and byte range are checked against the file before
     anything is allocated for them: a truncated file or a lying header is refused here. Given
-    an open ``CheckpointFile``, its tensors are read through it later; given a path, by
+    an open ``RegularFile``, its tensors are read through it later; given a path, by
     opening the path again."""
-    if not isinstance(path, CheckpointFile):
-        with CheckpointFile(Path(path)) as f:
+    if not isinstance(path, RegularFile):
+        with RegularFile(Path(path)) as f:
             return {name: ref.detached() for name, ref in read_header(f).items()}
     f, path = path, path.path
     size = f.size
@@ -283,7 +283,7 @@ def read_ref(ref: TensorRef, view: memoryview, offset: int = 0) -> int:
     view = view[:max(0, ref.end - ref.start - offset)]
     if ref.file is not None:
         return ref.file.read_into(view, ref.start + offset)
-    with CheckpointFile(ref.path) as f:
+    with RegularFile(ref.path) as f:
         return f.read_into(view, ref.start + offset)
 
 
@@ -308,7 +308,7 @@ def _chooses_files(name: str) -> bool:
 
 class CheckpointFolder:
     """A checkpoint folder resolved once and held open (its descriptor): every file is opened
-    once, through that descriptor, and read through its own (``CheckpointFile``), so a symlink
+    once, through that descriptor, and read through its own (``RegularFile``), so a symlink
     to the folder switched meanwhile (``ln -sfn v8 current``) changes nothing of what is read.
     ``check_unchanged`` after the reads refuses a folder whose files were rewritten, replaced,
     added or removed meanwhile. ``path`` is the folder's absolute path with no symlink in it,
@@ -323,7 +323,7 @@ class CheckpointFolder:
         except OSError as exc:
             raise SafetensorsError(f"{path}: not a checkpoint directory ({exc.strerror or exc})",
                                    field="checkpoint", value=str(path)) from None
-        self._files: dict[str, CheckpointFile] = {}
+        self._files: dict[str, RegularFile] = {}
         self._small: dict[str, bytes] = {}
         try:
             self.path = self._held_path()
@@ -382,17 +382,17 @@ class CheckpointFolder:
         except OSError as exc:
             raise _cannot_read(self.path, exc) from exc
 
-    def file(self, name: str, *, tracked: bool = True) -> CheckpointFile:
+    def file(self, name: str, *, tracked: bool = True) -> RegularFile:
         """``name`` opened once: later calls give the same open file. ``tracked``: whether
         ``check_unchanged`` checks it (not a file others may rewrite, the identity record)."""
         f = self._files.get(name)
         if f is None:
-            f = self._files[name] = CheckpointFile(self.path / self._name(name), name=name,
+            f = self._files[name] = RegularFile(self.path / self._name(name), name=name,
                                                    dir_fd=self.fd, tracked=tracked)
         return f
 
     def read_small(self, name: str, limit: int, *, tracked: bool = True) -> bytes:
-        """The whole of a small file (``CheckpointFile.read_small``), read once."""
+        """The whole of a small file (``RegularFile.read_small``), read once."""
         if name not in self._small:
             self._small[name] = self.file(name, tracked=tracked).read_small(limit)
         return self._small[name]
@@ -568,14 +568,14 @@ def identities_from_refs(refs: Mapping[str, TensorRef],
     drafter, markov = hashlib.sha256(), hashlib.sha256()
     view = memoryview(bytearray(HASH_CHUNK_BYTES))
     with contextlib.ExitStack() as opened:
-        by_path: dict[Path, CheckpointFile] = {}  # a ref without its open file: one per path
+        by_path: dict[Path, RegularFile] = {}  # a ref without its open file: one per path
         for name in sorted(refs):
             ref = refs[name]
             f = ref.file
             if f is None:
                 f = by_path.get(ref.path)
                 if f is None:
-                    f = by_path[ref.path] = opened.enter_context(CheckpointFile(ref.path))
+                    f = by_path[ref.path] = opened.enter_context(RegularFile(ref.path))
             h = markov if _is_markov(name) else drafter
             size = ref.end - ref.start
             _feed_head(h, name, ref.dtype, ref.shape, size)
@@ -748,7 +748,7 @@ def identity_inputs(checkpoint: Path | str | CheckpointFolder,
         p = Path(path) if folder is not None else Path(path).resolve()
         return str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
 
-    def status(path: Path, file: CheckpointFile | None) -> dict[str, int]:
+    def status(path: Path, file: RegularFile | None) -> dict[str, int]:
         st = file.stat if file is not None else os.stat(path)
         return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 

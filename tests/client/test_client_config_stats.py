@@ -69,6 +69,10 @@ def test_secret_file(tmp_path: Path) -> None:
         load_auth_secret(f)
     with pytest.raises(RemoteConfigError, match="cannot be read"):
         load_auth_secret(tmp_path / "missing")
+    fifo = tmp_path / "fifo"  # speculator_options.auth_secret_file: the engine's start
+    os.mkfifo(fifo)           # must not block in open()
+    with pytest.raises(RemoteConfigError, match="is a FIFO, not a regular file"):
+        RemoteConfig(auth_secret_file=str(fifo)).secret()
 
 
 def test_stats_counters_values_snapshot() -> None:

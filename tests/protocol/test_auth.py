@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import struct
 from pathlib import Path
 
@@ -101,3 +102,11 @@ def test_read_secret_file_one_rule(tmp_path: Path) -> None:
         read_secret_file(f)
     with pytest.raises(ValueError, match="cannot be read"):
         read_secret_file(tmp_path / "missing")
+    # a FIFO would block the open for ever, a device never ends: refused by name, at once
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=f"'{fifo}' cannot be read as a secret file: is a"
+                                         " FIFO, not a regular file"):
+        read_secret_file(fifo)
+    with pytest.raises(ValueError, match="is a character device, not a regular file"):
+        read_secret_file("/dev/zero")

@@ -4,6 +4,7 @@ Unix sockets, /healthz, logs, SIGTERM draining in-flight STEPs and exiting 0, st
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -100,6 +101,17 @@ def test_startup_errors_exit_1(args: list[str], message: str) -> None:
     assert "exited with 1" in str(e.value) and message in str(e.value)
     if "checkpoint" in message:  # said before the drafter (and torch) loads
         assert "loading drafter" not in str(e.value)
+
+
+def test_a_fifo_as_secret_file_is_refused_by_name(tmp_path: Path) -> None:
+    """A FIFO would block the worker's open for ever: it exits at once, naming the file."""
+    fifo = tmp_path / "secret"
+    os.mkfifo(fifo)
+    with pytest.raises(WorkerStartError) as e:
+        start_worker("--auth-secret-file", str(fifo), "--no-warmup", timeout=60)
+    assert "exited with 1" in str(e.value)
+    assert f"auth_secret_file '{fifo}' cannot be read as a secret file: is a FIFO, not a" \
+        " regular file" in str(e.value)
 
 
 def test_a_checkpoint_error_is_said_in_words(tmp_path: Path) -> None:
