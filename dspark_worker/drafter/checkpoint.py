@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from protocol.identity import (
+    CONFIG_FILE,
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointFolder,
@@ -34,6 +35,7 @@ from protocol.identity import (
     drafter_refs,
     held_folder,
     identities_from_arrays,
+    read_config,
     read_ref,
     tensor_index,
     write_identity_file,
@@ -119,6 +121,8 @@ def _resolve_held(folder: CheckpointFolder, target: CheckpointFolder | None
                   ) -> tuple[DrafterConfig, dict[str, Any], dict[str, TensorRef]]:
     raw, source = read_config_json(folder)
     config = parse_config(raw, source)
+    if target is not None:
+        check_target_depth(config, raw, target)
     try:
         return config, raw, _resolve(folder, config, target)
     except CheckpointError as exc:
@@ -193,6 +197,41 @@ def _resolve(folder: CheckpointFolder, config: DrafterConfig,
     check_derived(config, str(directory / "config.json"))
     check_host_memory(sum(ref.end - ref.start for ref in refs.values()), str(directory))
     return refs
+
+
+def check_target_depth(config: DrafterConfig, raw: Mapping[str, Any],
+                       target: CheckpointFolder) -> None:
+    """The drafter's taps against the target checkpoint's depth (its config.json's
+    ``num_hidden_layers``, or ``text_config``'s for a multimodal target; no check where it
+    names none): a tap past the target's last layer is a drafter trained for another target.
+    A speculators config is told in its own numbering (``aux_hidden_state_layer_ids``, HF
+    ``hidden_states`` indices, up to the depth itself), as z-lab's ``num_target_layers`` is."""
+    try:
+        target_raw = read_config(target)
+    except SafetensorsError as exc:
+        raise CheckpointError(f"{exc} (the target checkpoint's config.json, read for its"
+                              " depth)", tensor=exc.field, value=exc.value,
+                              limit=exc.limit) from None
+    text = target_raw.get("text_config") if target_raw is not None else None
+    layers = next((v for v in (
+        target_raw.get("num_hidden_layers") if target_raw is not None else None,
+        text.get("num_hidden_layers") if isinstance(text, dict) else None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+    if layers is None or max(config.target_layer_ids) < layers:
+        return
+    where = f"{target / CONFIG_FILE} num_hidden_layers {layers}"
+    if "aux_hidden_state_layer_ids" in raw:
+        aux = [t + 1 for t in config.target_layer_ids]
+        raise DrafterConfigError(
+            f"config.json: aux_hidden_state_layer_ids {aux} names hidden_states index"
+            f" {max(aux)}, past the target's {layers} layers ({where}: indices 0 to {layers});"
+            " this drafter was trained for another target", field="aux_hidden_state_layer_ids",
+            value=aux, limit=layers)
+    taps = list(config.target_layer_ids)
+    raise DrafterConfigError(
+        f"config.json: target_layer_ids {taps} names layer {max(taps)}, past the target's"
+        f" {layers} layers ({where}: layers -1 to {layers - 1}); this drafter was trained for"
+        " another target", field="target_layer_ids", value=taps, limit=layers)
 
 
 def check_derived(config: DrafterConfig, source: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +113,39 @@ def test_a_fifo_as_secret_file_is_refused_by_name(tmp_path: Path) -> None:
     assert "exited with 1" in str(e.value)
     assert f"auth_secret_file '{fifo}' cannot be read as a secret file: is a FIFO, not a" \
         " regular file" in str(e.value)
+
+
+def test_a_dflash2_drafter_tapping_past_the_targets_layers_is_refused(tmp_path: Path) -> None:
+    """A speculators dflash2 drafter whose aux_hidden_state_layer_ids go past the target's
+    layers does not start (as z-lab's format with num_target_layers): key, value, limit."""
+    data = Path(__file__).resolve().parent / "drafter" / "data" / "dflash_tiny"
+    drafter = shutil.copytree(data / "spec_dflash2_b5", tmp_path / "drafter",
+                              ignore=shutil.ignore_patterns("dspark_identity.json"))
+    target = shutil.copytree(data / "target", tmp_path / "target")
+    config = json.loads((target / "config.json").read_text())
+    aux = json.loads((drafter / "config.json").read_text())["aux_hidden_state_layer_ids"]
+    config["num_hidden_layers"] = max(aux) - 1
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WorkerStartError) as e:
+        start_worker("--checkpoint", str(drafter), "--target-checkpoint", str(target),
+                     "--no-warmup", timeout=60)
+    assert f"aux_hidden_state_layer_ids {aux} names hidden_states index {max(aux)}, past the" \
+        f" target's {max(aux) - 1} layers ({target}/config.json num_hidden_layers" \
+        f" {max(aux) - 1}: indices 0 to {max(aux) - 1})" in str(e.value)
+
+
+def test_a_training_runs_folder_names_its_checkpoints(tmp_path: Path) -> None:
+    """--checkpoint at a speculators training run's folder names the sub-folders that hold a
+    config.json (one per epoch, and checkpoint_best)."""
+    for name in ("10", "2", "checkpoint_best", "logs"):
+        (tmp_path / name).mkdir()
+        if name != "logs":
+            (tmp_path / name / "config.json").write_text("{}")
+    with pytest.raises(WorkerStartError) as e:
+        start_worker("--checkpoint", str(tmp_path), "--no-warmup", timeout=60)
+    assert f"{tmp_path}/config.json: no config.json; it is not a checkpoint folder but holds 3" \
+        " with a config.json (a training run's checkpoints?): 2/, 10/, checkpoint_best/; pass" \
+        " one of them as the checkpoint" in str(e.value)
 
 
 def test_a_checkpoint_error_is_said_in_words(tmp_path: Path) -> None:
