@@ -8,8 +8,15 @@ Each identity is a SHA-256 over tensors sorted by name; each tensor is fed as::
 
 ``markov_identity`` covers the tensors named ``markov_head.*``; ``drafter_identity`` every other
 tensor the drafter runs with, including ``embed_tokens.weight`` and ``lm_head.weight`` when they
-come from the target checkpoint (they shape every draft, so they belong to its identity). The
-file order, the split into shards and the tensor order inside a file do not change the result.
+come from the target checkpoint (they shape every draft, so they belong to its identity), and
+then the drafter's config.json, fed as one more such record (``config_bytes``): the drafter
+computes from its config as much as from its weights. The file order, the split into shards,
+the tensor order inside a file and the config file's layout do not change the result.
+
+A checkpoint folder is read as one: ``CheckpointFolder`` resolves it once and holds it open,
+each file is opened once through it and read through that descriptor (``RegularFile``), and
+``check_unchanged`` refuses a folder whose files changed while they were read, so an identity
+(or a drafter) never mixes two folders.
 
 A drafter folder lacking ``embed_tokens.weight`` or ``lm_head.weight`` with no target that has
 it is refused here, for worker and engine alike (``drafter_refs``). ``dspark_identity.json``

@@ -121,10 +121,8 @@ def _resolve_held(folder: CheckpointFolder, target: CheckpointFolder | None
                   ) -> tuple[DrafterConfig, dict[str, Any], dict[str, TensorRef]]:
     raw, source = read_config_json(folder)
     config = parse_config(raw, source)
-    if target is not None:
-        check_target_depth(config, raw, target)
     try:
-        return config, raw, _resolve(folder, config, target)
+        refs = _resolve(folder, config, target)
     except CheckpointError as exc:
         verifier = getattr(config, "verifier", None)  # the target it was trained against
         if verifier and exc.tensor in TARGET_TENSORS:
@@ -134,6 +132,9 @@ def _resolve_held(folder: CheckpointFolder, target: CheckpointFolder | None
                 " model's folder", tensor=exc.tensor, shape=exc.shape,
                 expected=exc.expected, value=exc.value, limit=exc.limit) from exc
         raise
+    if target is not None:  # after the tensors: a wrong target's embedding says so first
+        check_target_depth(config, raw, target)
+    return config, raw, refs
 
 
 def _resolve(folder: CheckpointFolder, config: DrafterConfig,

@@ -45,6 +45,7 @@ from tests.worker.test_worker_reload_proc import (
     W,
     connect,
     hello_for,
+    reload,
     same_drafts,
 )
 
@@ -190,30 +191,15 @@ def test_a_config_change_alone_is_a_new_version_and_block_size_another_geometry(
         worker: WorkerProcess, folders: dict[str, Path]) -> None:
     root = folders["root"]
     rope = _config_variant(root / "rope", rope_theta=50000.0)
-    block = _config_variant(root / "block", block_size=5)
+    _config_variant(root / "block", block_size=5)  # N 5: another geometry
     # the same weights as A, another config: another drafter identity, the same Markov one
     assert _ids(rope)[0] != _ids(folders["A"])[0] and _ids(rope)[1] == _ids(folders["A"])[1]
 
-    def reload_to(target: Path) -> dict[str, Any]:
-        link = folders["current"]
-        tmp = root / "current.tmp"
-        tmp.symlink_to(target.name)
-        os.replace(tmp, link)
-        asked = worker_stats(worker)["reloads"]["asked"]
-        os.kill(worker.pid, signal.SIGHUP)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            st = worker_stats(worker)["reloads"]
-            if st["asked"] > asked and not st["running"]:
-                return dict(st["last"])
-            time.sleep(0.02)
-        raise AssertionError(worker.log_text()[-2000:])
-
-    assert reload_to(folders["A"])["result"] in ("ok", "unchanged")
-    done = reload_to(rope)
+    assert reload(worker, folders, "A")["result"] in ("ok", "unchanged")
+    done = reload(worker, folders, "rope")
     assert done["result"] == "ok", done
     assert worker_stats(worker)["drafter_name"].startswith("rope@")
-    refused = reload_to(block)
+    refused = reload(worker, folders, "block")
     assert refused["result"] == "failed" and "num_spec" in refused["why"], refused
     # an engine pinned to the new config's identity gets that drafter's drafts
     pinned = connect(worker, hello_for(rope, "rope"))
