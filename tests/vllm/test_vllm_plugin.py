@@ -225,9 +225,9 @@ def test_the_weights_are_hashed_once_and_not_when_following(
     hashed: list[int] = []
     real = protocol.identity.identities_from_refs
 
-    def counted(refs: Any) -> Any:
+    def counted(refs: Any, config: Any = None) -> Any:
         hashed.append(1)
-        return real(refs)
+        return real(refs, config)
 
     monkeypatch.setattr(protocol.identity, "identities_from_refs", counted)
     options = {"endpoint": worker.endpoint, "window": 16, "client_name": "hash-once"}
