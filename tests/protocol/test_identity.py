@@ -14,12 +14,16 @@ from safetensors.numpy import save_file
 
 from protocol.errors import BadFrameError, WireError
 from protocol.identity import (
+    CHANGED_WHILE_READ,
     IDENTITY_FILE,
+    CheckpointChanged,
+    CheckpointFolder,
     SafetensorsError,
     drafter_refs,
     identities_from_arrays,
     identities_from_checkpoint,
     identities_from_files,
+    identities_from_refs,
     missing_target_tensor_message,
     read_header,
     read_identity_file,
@@ -425,3 +429,101 @@ def test_identity_file_not_writable(full_drafter: Path) -> None:
     assert [p.name for p in full_drafter.iterdir() if p.name.startswith(".")] == []
     assert identities_from_checkpoint(full_drafter) == identities_from_checkpoint(
         full_drafter, use_identity_file=False)
+
+
+# -- one folder, read as it was -------------------------------------------------------------------
+CONFIG = {"block_size": 7, "rope_theta": 10000.0, "target_layer_ids": [1, 3],
+          "rope_scaling": {"type": "yarn", "factor": 2.0}, "transformers_version": "4.56.0"}
+
+
+def with_config(path: Path, config: dict[str, object] = CONFIG, indent: int | None = None
+                ) -> Path:
+    (path / "config.json").write_text(json.dumps(config, indent=indent))
+    return path
+
+
+def test_the_config_enters_the_drafter_identity_as_the_contract_says(full_drafter: Path
+                                                                     ) -> None:
+    tensors_only = recipe(ALL)
+    with_config(full_drafter)
+    got = identities_from_checkpoint(full_drafter, use_identity_file=False)
+    kept = {k: v for k, v in CONFIG.items() if k != "transformers_version"}
+    text = json.dumps(kept, sort_keys=True, separators=(",", ":")).encode()
+    by_hand = recipe({**ALL, "config.json": ("JSON", (len(text),), text)})
+    # the config after every tensor (whatever its name sorts as), in drafter_identity only
+    d = hashlib.sha256()
+    for name in sorted(ALL):
+        if not name.startswith("markov_head."):
+            dtype, shape, data = ALL[name]
+            d.update(name.encode() + b"\0" + dtype.encode() + b"\0"
+                     + struct.pack(f"<I{len(shape)}QQ", len(shape), *shape, len(data)) + data)
+    d.update(b"config.json\0JSON\0" + struct.pack("<IQQ", 1, len(text), len(text)) + text)
+    assert got == (d.digest(), tensors_only[1]) and got[1] == by_hand[1]
+    assert identities_from_arrays(ALL, CONFIG) == got
+    # layout, key order and the writers' bookkeeping do not matter; a model field does
+    reordered = dict(reversed(list(CONFIG.items())), transformers_version="5.0.0")
+    with_config(full_drafter, reordered, indent=4)
+    assert identities_from_checkpoint(full_drafter, use_identity_file=False) == got
+    with_config(full_drafter, {**CONFIG, "rope_theta": 50000.0})
+    other = identities_from_checkpoint(full_drafter, use_identity_file=False)
+    assert other[0] != got[0] and other[1] == got[1]
+
+
+def test_a_symlink_switched_while_a_folder_is_held_changes_nothing_read(
+        full_drafter: Path, tmp_path: Path) -> None:
+    other = write_dir(tmp_path / "other", [list(ALL)],
+                      source={**ALL, "fc.weight": ("F32", (2, 3), bytes(24))}, index=False)
+    with_config(full_drafter), with_config(other)
+    want = identities_from_checkpoint(full_drafter, use_identity_file=False)
+    assert identities_from_checkpoint(other, use_identity_file=False) != want
+    current = tmp_path / "current"
+    current.symlink_to("full")
+    with CheckpointFolder(current) as folder:
+        assert folder.path == full_drafter.resolve()
+        refs = drafter_refs(folder)
+        current.unlink()
+        current.symlink_to("other")  # ln -sfn other current, mid-read
+        assert identities_from_checkpoint(folder, use_identity_file=False) == want
+        written = write_identity_file(folder, refs, want)
+        folder.check_unchanged()
+    # the record went into the folder read, not where the name leads now
+    assert written == full_drafter.resolve() / IDENTITY_FILE
+    assert not (other / IDENTITY_FILE).exists()
+
+
+@pytest.mark.parametrize("change", ["replaced", "rewritten", "removed", "added"])
+def test_a_folder_changed_while_it_was_read_is_refused_naming_the_file(
+        full_drafter: Path, change: str) -> None:
+    with_config(full_drafter)
+    shard = next(full_drafter.glob("*.safetensors"))
+    with CheckpointFolder(full_drafter) as folder:
+        identities_from_refs(drafter_refs(folder))
+        if change == "replaced":  # a new file renamed over it, as cp then mv does
+            (full_drafter / "new").write_bytes(shard.read_bytes())
+            os.replace(full_drafter / "new", shard)
+        elif change == "rewritten":  # written in place
+            st = shard.stat()
+            with open(shard, "r+b") as f:
+                f.write(f.read(8))
+            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        elif change == "removed":
+            shard.unlink()
+        else:
+            (full_drafter / "model-extra.safetensors").write_bytes(shard.read_bytes())
+        with pytest.raises(CheckpointChanged, match=CHANGED_WHILE_READ) as info:
+            folder.check_unchanged()
+    text = str(info.value)
+    if change == "added":
+        assert text.startswith(f"{full_drafter.resolve()}: ") and "model-extra" in text
+    else:
+        assert text.startswith(f"{shard.resolve()}: ") and f"the file was {change}" in text
+
+
+def test_a_fifo_or_a_folder_in_a_held_folder_is_refused_without_blocking(
+        full_drafter: Path) -> None:
+    os.mkfifo(full_drafter / "config.json")
+    with CheckpointFolder(full_drafter) as folder, pytest.raises(
+            SafetensorsError, match=r"config\.json: is a FIFO, not a regular file"):
+        identities_from_checkpoint(folder)
+    with pytest.raises(SafetensorsError, match="not a checkpoint directory"):
+        CheckpointFolder(full_drafter / "config.json")
