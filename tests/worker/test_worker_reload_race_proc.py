@@ -106,7 +106,7 @@ def _churn(folders: dict[str, Path], stop: threading.Event) -> Callable[[], int]
             os.replace(folders["R"] / "swap.tmp", folders["R"] / "model.safetensors")
             changes[0] += 2
             i += 1
-            time.sleep(0.0005)
+            time.sleep(0.002)
 
     thread = threading.Thread(target=run, name="churn", daemon=True)
     thread.start()
