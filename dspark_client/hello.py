@@ -79,7 +79,6 @@ def _read_config(checkpoint: str | Path | CheckpointFolder) -> tuple[dict[str, A
     """config.json's object, read through the held folder (the one its identity is read from),
     with the reader's bounds: a regular file only, of at most ``MAX_CONFIG_BYTES``."""
     with held_folder(checkpoint) as folder:
-        assert folder is not None
         cfg_path = folder / CONFIG_FILE
         try:
             cfg = read_config(folder)
@@ -161,7 +160,6 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
     the caller has them without the weights (a worker's ``dspark_identity.json`` copied to the
     engine host); None: from the checkpoint's files."""
     with held_folder(checkpoint) as folder:  # config and weights read from one folder
-        assert folder is not None
         return _hello(folder, window=window, max_slots=max_slots,
                       max_rows_per_step=max_rows_per_step, sampled=sampled,
                       client_name=client_name, target_checkpoint=target_checkpoint,

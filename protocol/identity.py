@@ -468,14 +468,25 @@ class CheckpointFolder:
 
 
 @contextlib.contextmanager
-def held_folder(path: Path | str | CheckpointFolder | None
-                ) -> Iterator[CheckpointFolder | None]:
+def held_folder(path: Path | str | CheckpointFolder) -> Iterator[CheckpointFolder]:
     """A folder held for the ``with`` block: one given open stays open after it, a path is
-    opened (and closed after), None stays None."""
-    if path is None or isinstance(path, CheckpointFolder):
+    opened (and closed after)."""
+    if isinstance(path, CheckpointFolder):
         yield path
         return
     with CheckpointFolder(path) as folder:
+        yield folder
+
+
+@contextlib.contextmanager
+def held_target(path: Path | str | CheckpointFolder | None
+                ) -> Iterator[CheckpointFolder | None]:
+    """``held_folder`` for a folder that may not be given (a target checkpoint): None stays
+    None."""
+    if path is None:
+        yield None
+        return
+    with held_folder(path) as folder:
         yield folder
 
 
@@ -675,8 +686,7 @@ def drafter_refs(checkpoint: Path | str | CheckpointFolder,
     if not isinstance(checkpoint, CheckpointFolder) or (
             target_checkpoint is not None
             and not isinstance(target_checkpoint, CheckpointFolder)):
-        with held_folder(checkpoint) as folder, held_folder(target_checkpoint) as target:
-            assert folder is not None
+        with held_folder(checkpoint) as folder, held_target(target_checkpoint) as target:
             return {n: ref.detached() for n, ref in drafter_refs(folder, target).items()}
     refs = tensor_index(checkpoint)
     lacking = [name for name in TARGET_FALLBACKS if name not in refs]
@@ -713,8 +723,7 @@ def identities_from_checkpoint(checkpoint: Path | str | CheckpointFolder,
     a current ``dspark_identity.json`` beside the checkpoint (the worker writes it when it
     loads the folder) answers without reading the weights; otherwise they are hashed. Nothing
     is written here."""
-    with held_folder(checkpoint) as folder, held_folder(target_checkpoint) as target:
-        assert folder is not None
+    with held_folder(checkpoint) as folder, held_target(target_checkpoint) as target:
         config = read_config(folder)
         refs = drafter_refs(folder, target)
         ids = read_identity_file(folder, refs) if use_identity_file else None
@@ -780,7 +789,6 @@ def read_identity_record(checkpoint: Path | str | CheckpointFolder
     markov identities and the whole record; None when there is no such file. A file that is
     not such a record raises ValueError naming it."""
     with held_folder(checkpoint) as folder:
-        assert folder is not None
         if not folder.exists(IDENTITY_FILE):
             return None
         path = folder / IDENTITY_FILE
@@ -805,7 +813,6 @@ def read_identity_file(checkpoint: Path | str | CheckpointFolder,
     tensors in these files and this config.json as they are now; None when there is no such
     file or it is stale, unreadable or of another format."""
     with held_folder(checkpoint) as folder:
-        assert folder is not None
         try:
             found = read_identity_record(folder)
         except ValueError:
@@ -822,7 +829,6 @@ def write_identity_file(checkpoint: Path | str | CheckpointFolder,
     sees half of it. Returns the path, or None when the folder is not writable (a read-only
     volume): the identity file is only a shortcut."""
     with held_folder(checkpoint) as folder:
-        assert folder is not None
         record = {"format": IDENTITY_FILE_FORMAT, "drafter_identity": ids[0].hex(),
                   "markov_identity": ids[1].hex(), "inputs": identity_inputs(folder, refs)}
         try:

@@ -34,6 +34,7 @@ from protocol.identity import (
     TensorRef,
     drafter_refs,
     held_folder,
+    held_target,
     identities_from_arrays,
     read_config,
     read_ref,
@@ -109,8 +110,7 @@ def _held(checkpoint: str | Path | CheckpointFolder,
     """Both folders held for the ``with`` block; a path that is no folder is refused as
     CheckpointError."""
     try:
-        with held_folder(checkpoint) as folder, held_folder(target_checkpoint) as target:
-            assert folder is not None
+        with held_folder(checkpoint) as folder, held_target(target_checkpoint) as target:
             yield folder, target
     except SafetensorsError as exc:
         raise CheckpointError(str(exc), tensor=exc.field, value=exc.value,
