@@ -381,7 +381,8 @@ class WorkerApp:
         if c.canary_checkpoint:
             steps["canary"] = self._load_canary
             try:
-                await self._load_canary()
+                _, loaded, _ = await self._load_canary()
+                log.info("%s", loaded)
             except Exception as exc:
                 raise StartupError(f"cannot load the canary ({c.canary_checkpoint}):"
                                    f" {failure_words(exc)}") from exc
@@ -427,10 +428,13 @@ class WorkerApp:
                 self._write_port_file(c.port_file)
             except OSError as exc:
                 raise StartupError(f"port file {c.port_file}: {_why(exc)}") from None
+        canary = self.canary
         log.info("ready: worker %r, W %d, N %d, max_slots %d, max_rows_per_step %d,"
-                 " max_sessions %d, frame limit %d bytes%s", info.worker_name, c.window,
+                 " max_sessions %d, frame limit %d bytes%s%s", info.worker_name, c.window,
                  d.num_spec, c.max_slots, c.max_rows_per_step, c.max_sessions,
-                 frame_limit(c, d.row_bytes), ", HELLO authentication on" if secret else "")
+                 frame_limit(c, d.row_bytes), ", HELLO authentication on" if secret else "",
+                 f", canary {canary.number} {canary.name} drafting in the shadow of"
+                 f" {c.canary_fraction:.0%} of each session's slots" if canary else "")
 
     # -- versions and reload --------------------------------------------------------------------
     def _set_info_metric(self, newest: Version) -> None:
