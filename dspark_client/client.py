@@ -839,7 +839,8 @@ class RemoteDraftClient:
             log.warning("remote DSpark: %s is draining and no other worker is known", endpoint)
 
     def _connect_failed(self, endpoint: str, e: BaseException) -> None:
-        self.last_error = f"connect {endpoint}: {e}"
+        text = str(e)  # a transport error names the endpoint itself
+        self.last_error = text if endpoint in text else f"connect {endpoint}: {text}"
         self.stats.inc("connect_failures")
         self._fail_run += 1
         self._resolve_soon = True
