@@ -32,7 +32,12 @@ from typing import Any, Final
 
 from protocol import formats, wire
 from protocol.constants import SAMPLE_GREEDY, SAMPLE_TOP32
-from protocol.identity import identities_from_checkpoint, markov_walk_identity
+from protocol.identity import (
+    TARGET_FALLBACKS,
+    SafetensorsError,
+    identities_from_checkpoint,
+    markov_walk_identity,
+)
 
 __all__ = ["DEFAULT_MAX_ROWS_PER_STEP", "default_max_rows_per_step", "hello_from_checkpoint",
            "tap_layers"]
@@ -159,7 +164,14 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
     else:
         raise ValueError(f"{cfg_path}: none of target_hidden_size, hidden_size is set")
     n_taps = len(taps)
-    drafter_id, markov_id = identities or identities_from_checkpoint(path, target_checkpoint)
+    try:
+        drafter_id, markov_id = identities or identities_from_checkpoint(path,
+                                                                         target_checkpoint)
+    except SafetensorsError as exc:
+        if target_checkpoint is None and exc.field in TARGET_FALLBACKS:
+            # an argument the caller did not pass, not a broken file: said as such
+            raise ValueError(str(exc)) from None
+        raise
     if draft_topk is None:
         draft_topk = cfg.get("dspark_draft_topk") or 0
     markov_id = markov_walk_identity(markov_id, int(draft_topk))
