@@ -187,6 +187,30 @@ def test_demo_closing_note_agrees_with_its_figures() -> None:
         assert "no wall-clock speedup" not in note and "toy" in note
 
 
+def test_demo_says_a_worker_for_another_model_on_stderr(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A worker named by --endpoint that drafts for another model: the demo's error goes to
+    stderr as every dspark-client error does, stdout keeps only the demo's own output."""
+    import io
+
+    import msgspec
+
+    from dspark_client import cli
+    from dspark_client.demo.run import DEFAULT_PROMPT, run_demo
+
+    args = cli.build_parser().parse_args(["demo"])
+    args.prompt = DEFAULT_PROMPT
+    other = msgspec.structs.replace(hello_from_checkpoint(REFERENCE_DIR, window=16, max_slots=1),
+                                    hidden=256, row_bytes=3 * 256 * 2)
+    out = io.StringIO()
+    assert run_demo(lambda *_: other, args, out, endpoint="tcp://127.0.0.1:9",
+                    note="using the worker at tcp://127.0.0.1:9 (--endpoint)") == 1
+    assert out.getvalue() == "using the worker at tcp://127.0.0.1:9 (--endpoint)\n"
+    err = capsys.readouterr().err
+    assert err.startswith("dspark-client: the worker at tcp://127.0.0.1:9 drafts for 3 taps of"
+                          " 256, vocab 260; the reference target has 3 taps of 128"), err
+
+
 def test_demo_marks_text_from_accepted_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
