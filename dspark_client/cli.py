@@ -52,6 +52,7 @@ import numpy as np
 
 from protocol import wire
 from protocol.auth import reload_body
+from protocol.identity import NO_MARKOV_HEAD
 from protocol.messages import pack_reset
 
 from . import __version__
@@ -452,7 +453,8 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
         f" {geo.get('hidden', '?')}), vocab {geo.get('vocab_size', '?')}, {modes};"
         f" {st.get('device', '?')} {st.get('dtype', '?')}",
         f"  drafter {st.get('drafter_name', '?')}: {str(st.get('drafter_identity', '?'))[:16]}.."
-        f"  markov {str(st.get('markov_identity', '?'))[:16]}.."
+        + ("  no Markov head" if st.get("markov_identity") == NO_MARKOV_HEAD.hex()
+           else f"  markov {str(st.get('markov_identity', '?'))[:16]}..")
         + ("; no confidence head (confidences predict nothing)"
            if st.get("confidence_head") is False or caps & wire.CAP_NO_CONFIDENCE else ""),
     ]

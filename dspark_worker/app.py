@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from protocol.auth import read_secret_file
 from protocol.constants import CAP_MARGIN, CAP_NO_CONFIDENCE, CAP_TAPS_BF16, CAP_TOP32
+from protocol.identity import NO_MARKOV_HEAD
 
 from . import __version__
 from .buffers import BufferPool, pinned_factory
@@ -299,7 +300,9 @@ class WorkerApp:
                  " dtype %s, N %d, row_bytes %d (%d taps x %d), vocab %d, loaded in %.2f s",
                  getattr(d, "source", c.checkpoint or "embedded"),
                  getattr(d, "description", f"{getattr(d, 'family', '?')} family"),
-                 d.drafter_identity.hex(), d.markov_identity.hex(), device, dtype, d.num_spec,
+                 d.drafter_identity.hex(), "none (no Markov head)"
+                 if d.markov_identity == NO_MARKOV_HEAD else d.markov_identity.hex(), device,
+                 dtype, d.num_spec,
                  d.row_bytes, d.n_taps, d.target_hidden, d.vocab_size, time.perf_counter() - t0)
         has_confidence = bool(getattr(d, "has_confidence", True))
         if not has_confidence:
