@@ -481,3 +481,16 @@ def test_stats_summary_says_a_drafter_has_no_markov_head() -> None:
     assert NO_MARKOV_HEAD.hex()[:16] not in text
     st["markov_identity"] = "cd" * 32
     assert f"  markov {'cd' * 8}.." in stats_summary(st, "tcp://w:1")
+
+
+def test_stats_summary_names_the_engine_of_each_session() -> None:
+    """A stranger sees each session's label and the engine it belongs to (a keyed hash of
+    its client name, the same across that engine's sessions), never the name itself."""
+    from dspark_client.cli import stats_summary
+
+    st = {"sessions": [{"label": "a1b2c3d4e5f6", "engine": "0f1e2d3c4b5a", "max_slots": 4},
+                       {"label": "ffeeddccbbaa", "engine": None, "max_slots": 2}]}
+    lines = [x.strip() for x in stats_summary(st, "tcp://w:1").splitlines()]
+    assert any(x.startswith("session a1b2c3d4e5f6 of engine 0f1e2d3c4b5a  4 slots")
+               for x in lines), lines
+    assert any(x.startswith("session ffeeddccbbaa") and "engine" not in x for x in lines)

@@ -12,6 +12,7 @@ the reference drafter in a real worker process, drafts over the wire.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -86,6 +87,37 @@ def test_greedy_speculative_decoding_is_lossless(worker: WorkerProcess, target: 
     assert dec.stats.accept_lengths, "no round carried drafts"
     for prompt, got in zip(prompts, out, strict=True):
         assert got == target_only_greedy(target, prompt, 96, max_len=MAX_LEN)
+
+
+def test_the_workers_acceptance_figures_equal_the_decoders(worker: WorkerProcess,
+                                                          target: TargetModel) -> None:
+    """Every block the decoder verified is judged by the worker too, the last of each sequence
+    included (its closing entry tells the worker what was accepted): the mean accepted length
+    and the acceptance by position in STATS are the demo's own figures."""
+    import json
+
+    from protocol import wire
+
+    client, source = remote(worker, target)
+    try:
+        dec = SpeculativeDecoder(target, source, max_len=MAX_LEN, stop_at_eos=False)
+        dec.generate(PROMPTS[:2], 40)
+        st = dec.stats
+        deadline = time.monotonic() + 5.0  # STATS counters are rebuilt every 50 ms
+        while True:
+            status, body = client.simple_request(wire.OP_STATS)  # our connection: our session
+            assert status == wire.ST_OK
+            (mine,) = [s for s in json.loads(body)["sessions"]
+                       if s.get("client_name") == client.hello.client_name]
+            acc = mine["acceptance"]
+            if acc["rounds"] >= len(st.accept_lengths) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        client.close()
+    assert acc["rounds"] == len(st.accept_lengths) == st.verify_rounds
+    assert acc["mean_accepted_length"] == pytest.approx(st.mean_accepted_length, abs=1e-4)
+    assert acc["accepted_by_position"] == st.accepted.tolist()
 
 
 def test_remote_accepted_lengths_equal_local(worker: WorkerProcess,
