@@ -236,6 +236,7 @@ class WorkerApp:
         self._device = new_device_thread()
         self._stop_event: asyncio.Event | None = None
         self._stopped = False
+        self._stopped_starting: str | None = None  # the signal that stopped start(), if one
         self.failed = False  # the runner died: exit 1 so the worker is restarted
         self.tcp_address: tuple[str, int] | None = None
         self.unix_path: str | None = None
@@ -799,8 +800,24 @@ class WorkerApp:
             for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
                 loop.add_signal_handler(sig, self._on_harmless_signal, sig)
             loop.add_signal_handler(signal.SIGQUIT, self._on_signal, signal.SIGQUIT)
+            # Until it serves, SIGTERM and SIGINT stop the start (the drafter may take minutes
+            # to load) with a line that says so, not the default's silent death.
+            starting = asyncio.current_task()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal_while_starting, sig, starting)
         try:
             await self.start()
+        except asyncio.CancelledError:
+            if self._stopped_starting is None:
+                raise
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            self._close_bound()
+            with contextlib.suppress(Exception):
+                await self.stop()
+            log.info("%s: stopped before serving", self._stopped_starting)
+            return 0
         except BaseException:
             self._close_bound()
             with contextlib.suppress(Exception):
@@ -822,6 +839,14 @@ class WorkerApp:
         import faulthandler
 
         faulthandler.dump_traceback(all_threads=True)
+
+    def _on_signal_while_starting(self, sig: int, starting: asyncio.Task[Any] | None) -> None:
+        name = signal.Signals(sig).name
+        if self._stopped_starting is not None or starting is None:
+            return
+        self._stopped_starting = name
+        log.info("%s while starting (%s): stopping", name, self.phase)
+        starting.cancel()
 
     def _on_signal(self, sig: int) -> None:
         if self._stop_event is not None and self._stop_event.is_set():
