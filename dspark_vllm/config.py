@@ -15,6 +15,7 @@ torch (docs/vllm.md).
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 __all__ = ["METHOD", "RemoteDSparkSpeculatorConfig"]
 
 from . import METHOD
+
+log = logging.getLogger("dspark_vllm")
 
 
 def checkpoint_of(spec: SpeculativeConfig) -> str | None:
@@ -76,8 +79,12 @@ def engine_hello(spec: SpeculativeConfig, opts: RemoteDSparkOptions, *, max_num_
     if terms is None:
         return hello_for(spec, max_slots=max_slots, client_name=client_name), \
             f"the defaults: {why}"
-    if opts.max_slots is None:
-        max_slots = min(max_slots, terms.max_slots)
+    if opts.max_slots is None and terms.max_slots < max_slots:
+        log.warning("remote DSpark: the worker at %s takes at most %d slots per session"
+                    " (its --max-slots), fewer than max_num_seqs %d: requests beyond %d at"
+                    " once are served without drafts", terms.endpoint, terms.max_slots,
+                    max_num_seqs, terms.max_slots)
+        max_slots = terms.max_slots
     rows = None
     if opts.max_rows_per_step is None:
         w = opts.window or terms.window

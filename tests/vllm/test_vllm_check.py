@@ -64,7 +64,7 @@ def test_check_says_this_engine_will_draft_and_leaves(
 
 def test_check_names_why_this_engine_will_not_draft(
         target_dir: Path, drafter_dirs: dict[str, Path], worker: Any,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
     """As ``python -m dspark_vllm check`` runs it (its ``main``): a window the worker does not
     serve is the worker's refusal, with both values, exit 1; a worker that is not there and a
     misspelt option likewise, each with its reason. (The worker's default max_slots, 256 on
@@ -78,6 +78,8 @@ def test_check_names_why_this_engine_will_not_draft(
     assert code == 1, out
     assert out.strip() == ("this engine will not draft: remote drafting disabled: HELLO"
                            " refused: GEOMETRY (window 16 != ours 32)")
+    assert re.search(r"the worker at \S+ takes at most 16 slots per session \(its"
+                     r" --max-slots\), fewer than max_num_seqs \d+", caplog.text), caplog.text
     gone = f"tcp://127.0.0.1:{closed_port()}"
     code, text = check(target_dir, {**spec, "speculator_options": {
         "endpoint": gone, "window": 16, "connect_timeout_ms": 300}})
