@@ -20,22 +20,38 @@ CONFIG_CLASS: Final = "dspark_vllm.config.RemoteDSparkSpeculatorConfig"
 LOGGERS: Final = ("dspark_vllm", "dspark_client")
 
 
+class _ThroughVllm(logging.Handler):
+    """Hands our records to the handlers vLLM's logger has when the record is made: vLLM
+    configures its logging in each of its processes, possibly after the plugin loads and
+    again later (``configure_logging``), so the handlers are looked up at each record. Where
+    vLLM has none (``VLLM_CONFIGURE_LOGGING=0``) and nothing else handles the record, a
+    WARNING or worse goes to stderr as it would without this handler."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        handlers = logging.getLogger("vllm").handlers
+        if not handlers:
+            if record.levelno >= logging.WARNING and not logging.getLogger().handlers and \
+                    logging.lastResort is not None:
+                logging.lastResort.handle(record)
+            return
+        for handler in handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def log_through_vllm() -> None:
-    """Our loggers write through vLLM's own handler (its format, its level, its stream), as
-    its own lines do: without it only WARNING and above reach stderr, bare, through Python's
-    last-resort handler. They still propagate (to the root logger, which vLLM leaves without
-    handlers). Nothing changes where vLLM does not configure logging
-    (``VLLM_CONFIGURE_LOGGING=0``) or the engine's own configuration already handles them."""
-    vllm_log = logging.getLogger("vllm")
-    if not vllm_log.handlers:
-        return
+    """Our loggers write through vLLM's own handlers (its format and stream), at vLLM's
+    level (``VLLM_LOGGING_LEVEL``), as its own lines do: without it only WARNING and above
+    would reach stderr, bare, through Python's last-resort handler. They still propagate (to
+    the root logger, which vLLM leaves without handlers). Idempotent."""
+    from vllm import envs
+
     for name in LOGGERS:
         ours = logging.getLogger(name)
-        if ours.handlers:
-            continue
-        for handler in vllm_log.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(vllm_log.level)
+        if not any(isinstance(h, _ThroughVllm) for h in ours.handlers):
+            ours.addHandler(_ThroughVllm())
+        if ours.level == logging.NOTSET:
+            ours.setLevel(envs.VLLM_LOGGING_LEVEL)
 
 
 def register() -> None:

@@ -45,9 +45,28 @@ def test_vllms_plugin_loader_registers_remote_dspark(monkeypatch: pytest.MonkeyP
     assert config_cls.speculator_class is not None
     assert issubclass(resolve_obj_by_qualname(config_cls.speculator_class), BaseSpeculator)
     # Loaded again (vLLM may): the same registration, no error.
+    import logging
+
     import dspark_vllm
 
     dspark_vllm.register()
+    # Our lines go through the handlers vLLM's logger has when they are logged (vLLM
+    # configures its logging after plugins load, and again in each process), once each.
+    seen: list[logging.LogRecord] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    vllm_log = logging.getLogger("vllm")
+    handler = Seen(logging.INFO)
+    vllm_log.addHandler(handler)
+    try:
+        logging.getLogger("dspark_client").info("through vLLM's handler")
+        logging.getLogger("dspark_vllm").debug("below vLLM's level")
+    finally:
+        vllm_log.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == ["through vLLM's handler"]
 
 
 def test_speculative_config_takes_the_method_and_its_options(
