@@ -210,8 +210,9 @@ def _connect_loop(ref: weakref.ReferenceType[RemoteDraftClient], shared: _Shared
             return
         try:
             wait = client._background_tick()
-        except Exception:  # the thread must survive a bug in one attempt
+        except Exception as exc:  # the thread must survive a bug in one attempt
             log.exception("remote DSpark: connect thread error")
+            client.last_error = f"connect thread error: {type(exc).__name__}: {exc}"
             wait = 1.0
         finally:
             del client
