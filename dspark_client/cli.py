@@ -52,6 +52,7 @@ import numpy as np
 
 from protocol import wire
 from protocol.auth import reload_body
+from protocol.identity import NO_MARKOV_HEAD
 from protocol.messages import pack_reset
 
 from . import __version__
@@ -294,7 +295,8 @@ def _holder(s: dict[str, Any]) -> str:
     the session's own connection)."""
     if s.get("client_name"):
         return str(s["client_name"])
-    return f"session {s['label']}" if s.get("label") else "(unnamed)"
+    name = f"session {s['label']}" if s.get("label") else "(unnamed)"
+    return f"{name} of engine {s['engine']}" if s.get("engine") else name
 
 
 def busy_reason(stats: dict[str, Any], wanted_slots: int) -> str | None:
@@ -452,7 +454,8 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
         f" {geo.get('hidden', '?')}), vocab {geo.get('vocab_size', '?')}, {modes};"
         f" {st.get('device', '?')} {st.get('dtype', '?')}",
         f"  drafter {st.get('drafter_name', '?')}: {str(st.get('drafter_identity', '?'))[:16]}.."
-        f"  markov {str(st.get('markov_identity', '?'))[:16]}.."
+        + ("  no Markov head" if st.get("markov_identity") == NO_MARKOV_HEAD.hex()
+           else f"  markov {str(st.get('markov_identity', '?'))[:16]}..")
         + ("; no confidence head (confidences predict nothing)"
            if st.get("confidence_head") is False or caps & wire.CAP_NO_CONFIDENCE else ""),
     ]
@@ -464,7 +467,7 @@ def stats_summary(st: dict[str, Any], endpoint: str) -> str:
     for s in sorted(sessions, key=lambda s: -int(s.get("max_slots", 0)))[:8]:
         idle = s.get("idle_s")
         mean = (s.get("acceptance") or {}).get("mean_accepted_length")
-        lines.append(f"    {_holder(s):<24} {s.get('max_slots')} slots"
+        lines.append(f"    {_holder(s):<44} {s.get('max_slots')} slots"
                      f" ({s.get('slots_in_use', '?')} in use), {s.get('sample_mode', '?')},"
                      f" idle {_duration(idle)}"
                      + (f", accepted length {mean:.2f}" if isinstance(mean, int | float) else "")

@@ -210,8 +210,9 @@ def _connect_loop(ref: weakref.ReferenceType[RemoteDraftClient], shared: _Shared
             return
         try:
             wait = client._background_tick()
-        except Exception:  # the thread must survive a bug in one attempt
+        except Exception as exc:  # the thread must survive a bug in one attempt
             log.exception("remote DSpark: connect thread error")
+            client.last_error = f"connect thread error: {type(exc).__name__}: {exc}"
             wait = 1.0
         finally:
             del client
@@ -839,7 +840,8 @@ class RemoteDraftClient:
             log.warning("remote DSpark: %s is draining and no other worker is known", endpoint)
 
     def _connect_failed(self, endpoint: str, e: BaseException) -> None:
-        self.last_error = f"connect {endpoint}: {e}"
+        text = str(e)  # a transport error names the endpoint itself
+        self.last_error = text if endpoint in text else f"connect {endpoint}: {text}"
         self.stats.inc("connect_failures")
         self._fail_run += 1
         self._resolve_soon = True

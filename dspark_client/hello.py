@@ -33,6 +33,7 @@ from protocol import formats, wire
 from protocol.constants import SAMPLE_GREEDY, SAMPLE_TOP32
 from protocol.identity import (
     CONFIG_FILE,
+    TARGET_FALLBACKS,
     CheckpointFolder,
     SafetensorsError,
     held_folder,
@@ -181,7 +182,14 @@ def _hello(folder: CheckpointFolder, *, window: int, max_slots: int,
     else:
         raise ValueError(f"{cfg_path}: none of target_hidden_size, hidden_size is set")
     n_taps = len(taps)
-    drafter_id, markov_id = identities or identities_from_checkpoint(folder, target_checkpoint)
+    try:
+        drafter_id, markov_id = identities or identities_from_checkpoint(folder,
+                                                                         target_checkpoint)
+    except SafetensorsError as exc:
+        if target_checkpoint is None and exc.field in TARGET_FALLBACKS:
+            # an argument the caller did not pass, not a broken file: said as such
+            raise ValueError(str(exc)) from None
+        raise
     if draft_topk is None:
         draft_topk = cfg.get("dspark_draft_topk") or 0
     markov_id = markov_walk_identity(markov_id, int(draft_topk))

@@ -97,6 +97,10 @@ _NO_ENTRIES: Final = np.zeros(0, wire.ENTRY_DTYPE)
 # Generations are kept as int64 (the wire carries the low 32 bits, 7.1).
 _MAX_GENERATION: Final = (1 << 63) - 1
 _U8: Final = np.dtype(np.uint8)
+# While rounds go without drafts for want of a worker (none reachable, or the client disabled
+# by a refusal), one WARNING per this many seconds says so with the reason: the client's own
+# lines come once, at the failure, and scroll away while the engine serves target-only.
+NO_WORKER_LOG_S: Final = 60.0
 _BASE: Final = operator.attrgetter("base")
 
 
@@ -325,6 +329,11 @@ class DraftRounds:
         self.fast_path = True
         self._all = np.arange(S, dtype=np.int64)
         self._zeros = np.zeros(S, np.int64)
+        # Since when rounds have had no worker (None: they have one), the rounds since, and
+        # when that was last logged.
+        self._no_worker_since: float | None = None
+        self._no_worker_rounds = 0
+        self._no_worker_logged = 0.0
 
     # -- public -------------------------------------------------------------------------------
     def needs_resync(self, slot: int) -> bool:
@@ -691,6 +700,8 @@ class DraftRounds:
         self.rounds += 1
         client = self.client
         epoch = client.connection_epoch()
+        if epoch is not None and self._no_worker_since is not None:
+            self._worker_back()
         # Taken until this round ends well: any other way out leaves no usual round behind.
         usual, self._usual = self._usual, None
         n_rows = -1  # rows in the STEP
@@ -711,6 +722,7 @@ class DraftRounds:
             if epoch is None:  # target-only: the ring takes the rows, for the resync later
                 self._write_rows(rnd)
                 synced[rnd.slots] = _NO_EPOCH
+                self._no_worker()
                 return self._failed(n, "disabled" if client.disabled else "not_ready")
             chosen, kind, k, end, written = self._plan(rnd, epoch)
         assert epoch is not None  # (on the short way it is the last round's)
@@ -1111,6 +1123,27 @@ class DraftRounds:
                     wire.rows_offset_for(self.max_slots) + self.row_budget * self.row_bytes,
                     ", resyncs split" if self.row_budget < self.window else "",
                     self.max_rows_per_step)
+
+    def _no_worker(self) -> None:
+        """A round without a worker: say so at WARNING once NO_WORKER_LOG_S have gone by
+        without one, and once per NO_WORKER_LOG_S after that."""
+        now = time.monotonic()
+        self._no_worker_rounds += 1
+        if self._no_worker_since is None:
+            self._no_worker_since = self._no_worker_logged = now
+        elif now - self._no_worker_logged >= NO_WORKER_LOG_S:
+            self._no_worker_logged = now
+            log.warning("remote DSpark: no drafts for %.0f s (%d rounds target-only): %s",
+                        now - self._no_worker_since, self._no_worker_rounds,
+                        self.client.last_error or "no worker has answered yet")
+
+    def _worker_back(self) -> None:
+        since = self._no_worker_since
+        if since is not None and self._no_worker_logged > since:
+            log.info("remote DSpark: drafting again after %.0f s (%d rounds target-only)",
+                     time.monotonic() - since, self._no_worker_rounds)
+        self._no_worker_since = None
+        self._no_worker_rounds = 0
 
     def _failed(self, n: int, reason: str) -> RoundResult:
         self.failed_rounds += 1

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import ipaddress
 import os
 import socket
 import sys
@@ -143,6 +144,29 @@ class Endpoint:
         return f"Endpoint({self.text!r})"
 
 
+def _host_name_problem(host: str) -> str | None:
+    """What makes ``host`` no name the resolver can look up (None: an address, or a name it
+    can): a DNS label is 1 to 63 bytes and a name at most 253 (RFC 1035), else every lookup
+    fails with a UnicodeError instead of an answer."""
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+        return None
+    except ValueError:
+        pass
+    name = host.removesuffix(".")
+    if len(name) > 253:
+        return f"host name is {len(name)} characters, over DNS's 253"
+    for label in name.split("."):
+        if not 1 <= len(label.encode("utf-8")) <= 63:
+            return (f"host label {label!r} is {len(label.encode('utf-8'))} bytes; a DNS label"
+                    " is 1 to 63")
+    try:
+        host.encode("idna")
+    except UnicodeError as exc:
+        return f"host {host!r} is no DNS name ({exc})"
+    return None
+
+
 def parse_endpoint(endpoint: str) -> Endpoint:
     """Parse ``tcp://host:port`` or ``unix:///absolute/path``; raise EndpointError naming the
     endpoint and what is wrong with it."""
@@ -168,6 +192,9 @@ def parse_endpoint(endpoint: str) -> Endpoint:
             raise bad("an IPv6 address goes in brackets, tcp://[::1]:PORT")
         if not host:
             raise bad("empty host")
+        why = _host_name_problem(host)
+        if why:
+            raise bad(why)
         if not port_text.isdigit():
             raise bad(f"port {port_text!r} is not a number")
         port = int(port_text)

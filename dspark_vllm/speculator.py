@@ -47,7 +47,7 @@ from dspark_client.client import RemoteDraftClient
 from dspark_client.hello import tap_layers
 from dspark_client.rounds import DraftRounds
 
-from .config import drafter_of, hello_for
+from .config import drafter_of, engine_hello
 
 if TYPE_CHECKING:
     from vllm.config import SpeculativeConfig, VllmConfig
@@ -190,10 +190,13 @@ class RemoteDSparkSpeculator(BaseSpeculator):
     def _start_client(self, spec: SpeculativeConfig, vllm_config: VllmConfig,
                       device: torch.device) -> None:
         opts = parse_options(spec.speculator_options)
-        max_slots = min(opts.max_slots or self.max_num_reqs, self.max_num_reqs)
         name = opts.client_name or default_client_name(
             _client_tag(device, vllm_config.parallel_config.data_parallel_rank))
-        hello = hello_for(spec, max_slots=max_slots, client_name=name)
+        wait = opts.remote.connect_timeout_ms / 1000.0
+        deadline = time.monotonic() + wait
+        hello, terms_from = engine_hello(spec, opts, max_num_seqs=self.max_num_reqs,
+                                         client_name=name, timeout=wait)
+        max_slots = hello.max_slots
         client = RemoteDraftClient(opts.remote, hello)
         self.rounds = DraftRounds(client)
         weakref.finalize(self, client.close)  # GOODBYE when the runner drops the speculator
@@ -206,9 +209,9 @@ class RemoteDSparkSpeculator(BaseSpeculator):
         self._host_rows: torch.Tensor | None = None
         # Wait for the worker once, within the connect timeout: the first requests then get
         # drafts, and the worker says whether its drafter has a confidence head.
-        ready = client.wait_ready(opts.remote.connect_timeout_ms / 1000.0)
-        log.info("remote DSpark: %s as %r (%d slots, W %d, N %d)%s", client.endpoint, name,
-                 max_slots, hello.window, hello.num_spec,
+        ready = client.wait_ready(max(deadline - time.monotonic(), 0.0))
+        log.info("remote DSpark: %s as %r (%d slots, W %d, N %d; W and limits %s)%s",
+                 client.endpoint, name, max_slots, hello.window, hello.num_spec, terms_from,
                  "" if ready else f"; no worker answered yet ({client.last_error})")
         if self.enable_adaptive_verification and self._worker_lacks_confidence():
             log.warning("remote DSpark: the worker's drafter has no confidence head; adaptive"

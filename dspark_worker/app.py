@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from protocol.auth import read_secret_file
 from protocol.constants import CAP_MARGIN, CAP_NO_CONFIDENCE, CAP_TAPS_BF16, CAP_TOP32
+from protocol.identity import NO_MARKOV_HEAD
 
 from . import __version__
 from .buffers import BufferPool, pinned_factory
@@ -235,6 +236,7 @@ class WorkerApp:
         self._device = new_device_thread()
         self._stop_event: asyncio.Event | None = None
         self._stopped = False
+        self._stopped_starting: str | None = None  # the signal that stopped start(), if one
         self.failed = False  # the runner died: exit 1 so the worker is restarted
         self.tcp_address: tuple[str, int] | None = None
         self.unix_path: str | None = None
@@ -299,7 +301,9 @@ class WorkerApp:
                  " dtype %s, N %d, row_bytes %d (%d taps x %d), vocab %d, loaded in %.2f s",
                  getattr(d, "source", c.checkpoint or "embedded"),
                  getattr(d, "description", f"{getattr(d, 'family', '?')} family"),
-                 d.drafter_identity.hex(), d.markov_identity.hex(), device, dtype, d.num_spec,
+                 d.drafter_identity.hex(), "none (no Markov head)"
+                 if d.markov_identity == NO_MARKOV_HEAD else d.markov_identity.hex(), device,
+                 dtype, d.num_spec,
                  d.row_bytes, d.n_taps, d.target_hidden, d.vocab_size, time.perf_counter() - t0)
         has_confidence = bool(getattr(d, "has_confidence", True))
         if not has_confidence:
@@ -381,7 +385,8 @@ class WorkerApp:
         if c.canary_checkpoint:
             steps["canary"] = self._load_canary
             try:
-                await self._load_canary()
+                _, loaded, _ = await self._load_canary()
+                log.info("%s", loaded)
             except Exception as exc:
                 raise StartupError(f"cannot load the canary ({c.canary_checkpoint}):"
                                    f" {failure_words(exc)}") from exc
@@ -427,10 +432,13 @@ class WorkerApp:
                 self._write_port_file(c.port_file)
             except OSError as exc:
                 raise StartupError(f"port file {c.port_file}: {_why(exc)}") from None
+        canary = self.canary
         log.info("ready: worker %r, W %d, N %d, max_slots %d, max_rows_per_step %d,"
-                 " max_sessions %d, frame limit %d bytes%s", info.worker_name, c.window,
+                 " max_sessions %d, frame limit %d bytes%s%s", info.worker_name, c.window,
                  d.num_spec, c.max_slots, c.max_rows_per_step, c.max_sessions,
-                 frame_limit(c, d.row_bytes), ", HELLO authentication on" if secret else "")
+                 frame_limit(c, d.row_bytes), ", HELLO authentication on" if secret else "",
+                 f", canary {canary.number} {canary.name} drafting in the shadow of"
+                 f" {c.canary_fraction:.0%} of each session's slots" if canary else "")
 
     # -- versions and reload --------------------------------------------------------------------
     def _set_info_metric(self, newest: Version) -> None:
@@ -792,8 +800,24 @@ class WorkerApp:
             for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
                 loop.add_signal_handler(sig, self._on_harmless_signal, sig)
             loop.add_signal_handler(signal.SIGQUIT, self._on_signal, signal.SIGQUIT)
+            # Until it serves, SIGTERM and SIGINT stop the start (the drafter may take minutes
+            # to load) with a line that says so, not the default's silent death.
+            starting = asyncio.current_task()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal_while_starting, sig, starting)
         try:
             await self.start()
+        except asyncio.CancelledError:
+            if self._stopped_starting is None:
+                raise
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            self._close_bound()
+            with contextlib.suppress(Exception):
+                await self.stop()
+            log.info("%s: stopped before serving", self._stopped_starting)
+            return 0
         except BaseException:
             self._close_bound()
             with contextlib.suppress(Exception):
@@ -815,6 +839,14 @@ class WorkerApp:
         import faulthandler
 
         faulthandler.dump_traceback(all_threads=True)
+
+    def _on_signal_while_starting(self, sig: int, starting: asyncio.Task[Any] | None) -> None:
+        name = signal.Signals(sig).name
+        if self._stopped_starting is not None or starting is None:
+            return
+        self._stopped_starting = name
+        log.info("%s while starting (%s): stopping", name, self.phase)
+        starting.cancel()
 
     def _on_signal(self, sig: int) -> None:
         if self._stop_event is not None and self._stop_event.is_set():

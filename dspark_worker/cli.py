@@ -53,26 +53,31 @@ log = logging.getLogger("dspark_worker")
 # (field, metavar, type, help). One row per WorkerConfig field; a test checks the two agree.
 OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
     ("checkpoint", "DIR", str,
-     "DeepSpec-layout drafter checkpoint folder (config.json + safetensors). SIGHUP reads it"
+     "drafter checkpoint folder (config.json + safetensors): DeepSpec's layout (Qwen3,"
+     " Gemma4), a speculators training run's saved folder (dspark, dflash, dflash2: its"
+     " <epoch>/ or checkpoint_best/) or a z-lab DFlash release; the last two need"
+     " --target-checkpoint (their embed_tokens is the target's). SIGHUP reads it"
      " again and, when it holds another drafter, loads it beside the serving one as a new"
      " version (docs/operations.md, \"Ship a new drafter\"). Default: the embedded reference"
      " drafter (a small byte-level pair shipped with dspark, for trying the worker, the demo"
      " and the tests)."),
     ("target_checkpoint", "DIR", str,
      "target model checkpoint to read embed_tokens / lm_head from when the drafter"
-     " checkpoint lacks them (read again on SIGHUP too)."),
+     " checkpoint lacks them: required for speculators and DFlash drafters (read again on"
+     " SIGHUP too)."),
     ("device", "DEV", str,
      f"where the drafter runs: {', '.join(DEVICES)} or cuda:N. auto = cuda if available,"
      " else cpu. Default: auto."),
     ("dtype", "DTYPE", str,
-     f"drafter weights and rings: {', '.join(DTYPES)}. auto = bfloat16 on CUDA, float32 on"
-     " CPU. Default: auto."),
+     f"drafter weights and rings: {', '.join(DTYPES)} (or bf16, fp16, fp32). auto = bfloat16"
+     " on CUDA, float32 on CPU. Default: auto."),
     ("threads", "N", int,
      f"torch intra-op threads. More than one only pays on a CPU worker with cores of its own:"
      f" with several, one thread descheduled by a busy neighbour process stalls every op."
      f" 0 = torch's default (one per core, or $OMP_NUM_THREADS). Default: {DEFAULT_THREADS}."),
     ("window", "W", int,
-     f"rows of context kept per slot (W, section 8); the client's HELLO must name the same."
+     f"rows of context kept per slot (W, section 8); a client's HELLO must name the same"
+     f" (an engine that leaves its window unset learns it from STATS)."
      f" Memory is max_total_slots x W x per-row K/V bytes. Default: {DEFAULT_WINDOW}."),
     ("max_slots", "N", int,
      f"most slots one session may declare in its HELLO (else ST_LIMITS). Default:"

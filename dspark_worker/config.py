@@ -323,13 +323,22 @@ def parse_host_port(text: str) -> tuple[str, int]:
 _NONE_WORDS = frozenset({"", "none", "off"})
 
 
+# The dtypes' other common spellings (torch's, vLLM's, the short ones), as their names here.
+DTYPE_ALIASES: Final = {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
+                        "fp32": "float32", "float": "float32"}
+
+
 def _normalise(values: dict[str, Any]) -> dict[str, Any]:
-    """``listen = "none"`` (or "off", "") turns an optional listener off."""
+    """``listen = "none"`` (or "off", "") turns an optional listener off; a dtype's other
+    spelling (``bf16``) is its name here (``bfloat16``)."""
     out = dict(values)
     for field in ("listen", "metrics_listen", "unix"):
         v = out.get(field)
         if isinstance(v, str) and v.strip().lower() in _NONE_WORDS:
             out[field] = None
+    dtype = out.get("dtype")
+    if isinstance(dtype, str):
+        out["dtype"] = DTYPE_ALIASES.get(dtype.lower(), dtype)
     return out
 
 
@@ -342,6 +351,12 @@ def _type_words(expected: str) -> str:
     """``int | null`` -> ``an integer``: what a field takes, in words (unset is implied)."""
     names = [n.strip() for n in expected.split("|") if n.strip() != "null"]
     return " or ".join(_TYPE_WORDS.get(n, n) for n in names) or expected
+
+
+def _named(where: str, field: str) -> str:
+    """Where a value came from and its name: the flag alone names both (``--dtype``), a file
+    or the defaults need the field too (``config file 'w.toml': dtype``)."""
+    return where if where == "--" + field.replace("_", "-") else f"{where}: {field}"
 
 
 def _convert(values: dict[str, Any], source: str,
@@ -363,14 +378,16 @@ def _convert(values: dict[str, Any], source: str,
                         f" {_TYPE_WORDS.get(m.group(2), m.group(2))})")
             value = values.get(field)
             where = (source_of or {}).get(field, source)
-            raise ConfigError(f"{where}: {field}: {value!r} {what}", field=field,
+            raise ConfigError(f"{_named(where, field)}: {value!r} {what}", field=field,
                               value=value) from None
         # a rule of _problems (msgspec re-raises __post_init__ errors with their message)
         field = text.split(":", 1)[0]
         if field in WorkerConfig.__struct_fields__:
             value = values.get(field, getattr(WorkerConfig(), field, None))
             where = (source_of or {}).get(field, source)
-            raise ConfigError(f"{where}: {text}", field=field, value=value) from None
+            why = text.split(":", 1)[1].strip()
+            raise ConfigError(f"{_named(where, field)}: {why}", field=field,
+                              value=value) from None
         raise ConfigError(f"{source}: {text}") from None
 
 

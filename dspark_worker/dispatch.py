@@ -56,8 +56,9 @@ go only to its own connection)::
                                   "result": "ok" | "unchanged" | "failed", "why": str,
                                   "at": float, "version": int | null, "seconds": float},
                   "recent": [the last 8 outcomes, as "last"]},
-      "sessions": [{"label": str, "session": int (own only), "client_name": str (own only),
-                    "version": int, "sample_mode": "greedy" | "top32", "synthetic": bool,
+      "sessions": [{"label": str, "engine": str | null, "session": int (own only),
+                    "client_name": str (own only), "version": int,
+                    "sample_mode": "greedy" | "top32", "synthetic": bool,
                     "max_slots": int, "slots_in_use": int, "connected": bool,
                     "age_s": float, "idle_s": float, "steps": int, "rows": int,
                     "drafted_positions": int, "acceptance": ACCEPTANCE}],
@@ -899,6 +900,16 @@ class Dispatcher:
         return hashlib.blake2b(session_id.to_bytes(4, "little"), key=self._label_key,
                                digest_size=6).hexdigest()
 
+    def engine_label(self, client_name: str) -> str | None:
+        """The engine a session belongs to, in STATS: a keyed hash of its client name (12 hex
+        digits), the same for every session of that name while this worker runs (a following
+        engine's new session at each reload, a reconnect, a restart), that does not give the
+        name away (section 11). None for a session without a name."""
+        if not client_name:
+            return None
+        return hashlib.blake2b(b"engine\x00" + client_name.encode("utf-8"),
+                               key=self._label_key, digest_size=6).hexdigest()
+
     def stats(self, viewer: int | None = None) -> dict[str, Any]:
         """The STATS object. Sessions are named by label; the id and client name of a session
         are shown only to the connection it is bound to (``viewer``), since with them a
@@ -906,7 +917,8 @@ class Dispatcher:
         i, now, m = self.info, self.clock(), self.metrics
         sessions = []
         for s in self.table:
-            entry: dict[str, Any] = {"label": self.session_label(s.session_id)}
+            entry: dict[str, Any] = {"label": self.session_label(s.session_id),
+                                     "engine": self.engine_label(s.client_name)}
             if viewer is not None and s.conn_id == viewer:
                 entry["session"] = s.session_id
                 entry["client_name"] = s.client_name

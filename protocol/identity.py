@@ -41,6 +41,9 @@ from .constants import IDENTITY_BYTES
 from .errors import BadFrameError
 
 MARKOV_PREFIX: Final = "markov_head."
+# The Markov identity of a drafter with no Markov head (DFlash): the digest of no tensors (6.4).
+# On the wire it is a value like any other; logs and summaries say "none" for it.
+NO_MARKOV_HEAD: Final = hashlib.sha256().digest()
 # Where a multimodal target (Gemma-4's ConditionalGeneration layout, current and older
 # transformers) nests its text model's embedding.
 NESTED_TEXT_EMBEDDINGS: Final = ("model.language_model.embed_tokens.weight",

@@ -124,11 +124,13 @@ def test_the_vllm_plugin_builds_on_the_client_never_the_worker() -> None:
 
 
 def test_the_adapters_options_import_no_engine() -> None:
-    """The options every engine adapter shares are checked without vLLM, SGLang or torch."""
-    options = ROOT / "dspark_client" / "adapter" / "options.py"
-    assert top_level(imported_modules(options)) <= {
-        "__future__", "json", "socket", "pathlib", "typing", "msgspec", "dspark_client",
-        "protocol"}
+    """The options every engine adapter shares, and what it asks the worker before its HELLO,
+    are checked without vLLM, SGLang or torch."""
+    for name in ("options.py", "worker.py"):
+        module = ROOT / "dspark_client" / "adapter" / name
+        assert top_level(imported_modules(module)) <= {
+            "__future__", "difflib", "json", "logging", "socket", "time", "pathlib", "typing",
+            "msgspec", "dspark_client", "protocol"}, name
 
 
 PLUGIN_PROBE = """

@@ -8,7 +8,12 @@ Two groups of keys (docs/vllm.md has the table):
   visible to every user of the host; ``auth_secret_file`` names a file instead), with
   ``RemoteConfig``'s defaults and checks;
 * the HELLO's: ``window``, ``max_slots``, ``max_rows_per_step``, ``client_name`` and
-  ``target_checkpoint``, as ``hello_from_checkpoint`` takes them.
+  ``target_checkpoint``, as ``hello_from_checkpoint`` takes them. ``window`` left unset is the
+  worker's (``dspark_client.adapter.worker.learn_window``): W is the worker's to decide.
+
+Every value is checked for its type the same way (a string where a number belongs is refused,
+never converted) and against an upper bound where one would otherwise block the engine or
+exhaust its memory (``UPPER``).
 
 The drafter is vLLM's ``model``: a folder on the engine host with the drafter's ``config.json``
 (taps, N, vocabulary, hidden size) and either its weights or the ``dspark_identity.json`` the
@@ -18,6 +23,7 @@ worker writes beside them (its identities, contract 6.4), nothing else; with
 
 from __future__ import annotations
 
+import difflib
 import socket
 from pathlib import Path
 from typing import Any, Final
@@ -36,10 +42,11 @@ from protocol.identity import (
 )
 from protocol.messages import encode_name
 
-__all__ = ["CLIENT_KEYS", "DEFAULT_WINDOW", "HELLO_KEYS", "RemoteDSparkOptions",
+__all__ = ["CLIENT_KEYS", "DEFAULT_WINDOW", "HELLO_KEYS", "UPPER", "RemoteDSparkOptions",
            "default_client_name", "drafter_hello", "parse_options", "recorded_identities"]
 
-# The worker's default --window: a client left at its default HELLOs a worker left at its own.
+# The worker's default --window: the W an engine assumes when it leaves window unset and no
+# worker answered at its start to say its own.
 DEFAULT_WINDOW: Final = 1024
 # The wire's window field is a u16 (contract 6.1).
 MAX_WINDOW: Final = 0xFFFF
@@ -49,13 +56,33 @@ CLIENT_KEYS: Final = frozenset(f.name for f in msgspec.structs.fields(RemoteConf
 HELLO_KEYS: Final = frozenset({"window", "max_slots", "max_rows_per_step", "client_name",
                                "target_checkpoint"})
 _WHERE: Final = "speculative_config.speculator_options"
+# The most each numeric option may be, and why: past these a value blocks the engine (rank 0
+# waits connect_timeout_ms at start; a STEP never waits past timeout_ms, so a larger one is a
+# hung engine step) or asks for memory no host has (max_rows_per_step rows are staged per STEP).
+UPPER: Final[dict[str, tuple[float, str]]] = {
+    "connect_timeout_ms": (60_000, "a minute (rank 0 waits this long for the worker at start)"),
+    "timeout_ms": (10_000, "10 s (every engine step waits up to this long for its drafts)"),
+    "backoff_ms": (60_000, "a minute"),
+    "backoff_max_ms": (600_000, "10 minutes"),
+    "return_after_ms": (3_600_000, "an hour"),
+    "resolve_interval_ms": (3_600_000, "an hour"),
+    "failover_after": (1000, "1000 attempts"),
+    "max_reply_bytes": (1 << 30, "1 GiB"),
+    "max_slots": (0xFFFFFFFF, "the HELLO's u32"),
+    "max_rows_per_step": (1 << 20, "1,048,576 rows (the rows of one STEP are staged in memory;"
+                          " the worker's default is 4096)"),
+}
+# msgspec's name of a type, as the refusal says what the option takes.
+_KINDS: Final = {"float": "a number", "int": "an integer", "bool": "true or false",
+                 "str": "a string", "array": "a list of endpoint strings",
+                 "str | null": "a string"}
 
 
 class RemoteDSparkOptions(msgspec.Struct, frozen=True, kw_only=True):
     """The options as checked: the client's config and the HELLO's fields (None: default)."""
 
     remote: RemoteConfig
-    window: int = DEFAULT_WINDOW
+    window: int | None = None  # None: the worker's
     max_slots: int | None = None
     max_rows_per_step: int | None = None
     client_name: str | None = None
@@ -71,42 +98,77 @@ def _int(raw: dict[str, Any], key: str, low: int, high: int | None = None) -> in
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _refuse(key, value, "must be an integer")
+        raise _refuse(key, value, f"must be an integer (got {type(value).__name__})")
+    high = int(UPPER[key][0]) if high is None and key in UPPER else high
     if value < low or (high is not None and value > high):
         raise _refuse(key, value, f"must be in [{low}, {high}]" if high is not None
                       else f"must be at least {low}")
     return value
 
 
+def _unknown(key: str) -> ValueError:
+    known = sorted(CLIENT_KEYS | HELLO_KEYS)
+    if key == "auth_secret":
+        hint = " (give the secret in a file: auth_secret_file)"
+    else:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ValueError(f"{_WHERE}: unknown option {key!r}{hint}; the options are"
+                      f" {', '.join(known)}")
+
+
+def _remote_config(raw: dict[str, Any]) -> RemoteConfig:
+    """The client's keys as ``RemoteConfig``: types strictly (a string is never read as a
+    number), then the upper bounds, then ``RemoteConfig``'s own checks, each refusal named as
+    the option it came from."""
+    client = {k: v for k, v in raw.items() if k in CLIENT_KEYS}
+    try:
+        msgspec.convert(client, RemoteConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        where = text.rpartition(" - at `$.")[2].rstrip("`")
+        key = where.split("[")[0]
+        if text.startswith("Expected `") and key in client:
+            wanted = "array" if "[" in where else text.partition("Expected `")[2].partition(
+                "`")[0]
+            got = type(client[key]).__name__
+            raise _refuse(key, client[key], f"must be {_KINDS.get(wanted, wanted)}"
+                          + ("" if wanted == "array" and got == "list" else f" (got {got})")
+                          ) from None
+    except ValueError:
+        pass  # a value check: RemoteConfig says it below, by name
+    for key, (high, why) in UPPER.items():
+        value = client.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > high:
+            raise _refuse(key, value, f"must be at most {high:g}: {why}")
+    try:
+        return RemoteConfig.from_dict(client)
+    except ValueError as exc:
+        # RemoteConfig's own words ("RemoteConfig.timeout_ms = -1.0: ..."), named as the
+        # option they came from
+        why = str(exc).removeprefix("RemoteConfig: ")
+        raise ValueError(f"{_WHERE}.{why.removeprefix('RemoteConfig.')}"
+                         if why.startswith("RemoteConfig.") else f"{_WHERE}: {why}") from None
+
+
 def parse_options(raw: Any) -> RemoteDSparkOptions:
     """``speculator_options`` (a dict, or None for every default) checked: an unknown key, a
-    value of the wrong type or out of range is a ValueError naming the key and the value."""
+    value of the wrong type or out of range is a ValueError naming the key, the value and the
+    limit."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ValueError(f"{_WHERE} must be a JSON object, got {type(raw).__name__}")
     unknown = sorted(set(raw) - CLIENT_KEYS - HELLO_KEYS)
     if unknown:
-        hint = (" (give the secret in a file: auth_secret_file)" if "auth_secret" in unknown
-                else "")
-        raise ValueError(f"{_WHERE}: unknown option {unknown[0]!r}{hint}; the options are "
-                         f"{', '.join(sorted(CLIENT_KEYS | HELLO_KEYS))}")
-    client = {k: v for k, v in raw.items() if k in CLIENT_KEYS}
-    try:
-        remote = RemoteConfig.from_dict(client)
-    except ValueError as exc:
-        # RemoteConfig's own words ("RemoteConfig.timeout_ms = -1.0: ...", or msgspec's
-        # "... - at `$.timeout_ms`" for a wrong type), named as the option they came from
-        why = str(exc).removeprefix("RemoteConfig: ")
-        raise ValueError(f"{_WHERE}.{why.removeprefix('RemoteConfig.')}"
-                         if why.startswith("RemoteConfig.") else f"{_WHERE}: {why}") from None
+        raise _unknown(unknown[0])
+    remote = _remote_config(raw)
     window = _int(raw, "window", 1, MAX_WINDOW)
     max_slots = _int(raw, "max_slots", 1)
     rows = _int(raw, "max_rows_per_step", 1)
-    if rows is not None and rows < (window or DEFAULT_WINDOW):
+    if rows is not None and window is not None and rows < window:
         raise _refuse("max_rows_per_step", rows,
-                      f"must be at least the window ({window or DEFAULT_WINDOW}): one slot's"
-                      " resync is W rows")
+                      f"must be at least the window ({window}): one slot's resync is W rows")
     name = raw.get("client_name")
     if name is not None:
         if not isinstance(name, str) or not name:
@@ -119,8 +181,8 @@ def parse_options(raw: Any) -> RemoteDSparkOptions:
     target = raw.get("target_checkpoint")
     if target is not None and (not isinstance(target, str) or not target):
         raise _refuse("target_checkpoint", target, "must be a path")
-    return RemoteDSparkOptions(remote=remote, window=window or DEFAULT_WINDOW,
-                               max_slots=max_slots, max_rows_per_step=rows, client_name=name,
+    return RemoteDSparkOptions(remote=remote, window=window, max_slots=max_slots,
+                               max_rows_per_step=rows, client_name=name,
                                target_checkpoint=target)
 
 
@@ -154,7 +216,8 @@ def _has_weights(drafter: Path) -> bool:
 def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: int,
                   client_name: str, target_hidden_size: int, draft_topk: int | None = None,
                   target_checkpoint: str | Path | None = None,
-                  identities_needed: bool = True) -> wire.Hello:
+                  identities_needed: bool = True, window: int | None = None,
+                  max_rows_per_step: int | None = None) -> wire.Hello:
     """The HELLO for the drafter folder ``drafter`` on this host: geometry from its
     ``config.json``; identities from its weights (or a current ``dspark_identity.json`` beside
     them), else from the ``dspark_identity.json`` alone. The hidden size is the served
@@ -162,8 +225,13 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
     Following the worker's drafter (``follow_drafter``, 6.5) the HELLO names no identities,
     and nothing is read for them. ``identities_needed`` False: the caller wants the geometry
     alone (the weights are not hashed; a folder that could not give identities is still
-    refused)."""
+    refused). ``window``, ``max_rows_per_step``: where the options leave them unset (the
+    worker's, as learnt at start); W neither: ``DEFAULT_WINDOW``."""
     path = Path(drafter)
+    w = opts.window or window or DEFAULT_WINDOW
+    if opts.max_rows_per_step is not None and opts.max_rows_per_step < w:
+        raise _refuse("max_rows_per_step", opts.max_rows_per_step,
+                      f"must be at least the window W ({w}): one slot's resync is W rows")
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: no config.json; remote_dspark's model is the drafter's"
                          " folder on this host (its config.json, and its weights or the"
@@ -183,8 +251,9 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
     elif not identities_needed:
         identities = none
     hello = hello_from_checkpoint(
-        path, window=opts.window, max_slots=max_slots, max_rows_per_step=opts.max_rows_per_step,
-        client_name=client_name, target_checkpoint=opts.target_checkpoint or target_checkpoint,
+        path, window=w, max_slots=max_slots,
+        max_rows_per_step=opts.max_rows_per_step or max_rows_per_step, client_name=client_name,
+        target_checkpoint=opts.target_checkpoint or target_checkpoint,
         target_hidden_size=target_hidden_size, draft_topk=draft_topk, identities=identities)
     if hello.hidden != target_hidden_size:
         raise ValueError(f"{path}/config.json drafts for a target of hidden size"

@@ -111,18 +111,18 @@ def run_demo(hello_for: Any, args: Any, out: TextIO, *, endpoint: str | None = N
                       " loopback\n")
             endpoint = stack.enter_context(spawned_worker(shm=shm))
             hello = hello_for(endpoint, sampled, max(args.batch, 1))
-        if not _matches(hello, tc):
-            out.write(f"the worker drafts for {hello.n_taps} taps of {hello.hidden}, vocab"
-                      f" {hello.vocab_size}; the reference target has {tc.n_taps} taps of"
-                      f" {tc.hidden_size}, vocab {tc.vocab_size}: serve the embedded reference"
-                      " drafter\n")
+        if not _matches(hello, tc):  # an error: stderr, as every dspark-client error
+            print(f"dspark-client: the worker at {endpoint} drafts for {hello.n_taps} taps of"
+                  f" {hello.hidden}, vocab {hello.vocab_size}; the reference target has"
+                  f" {tc.n_taps} taps of {tc.hidden_size}, vocab {tc.vocab_size}: serve the"
+                  " embedded reference drafter", file=sys.stderr)
             return 1
         client = RemoteDraftClient(RemoteConfig(endpoint=endpoint, timeout_ms=5000,
                                                 connect_timeout_ms=5000), hello)
         stack.callback(client.close)  # GOODBYE: the worker frees the slots at once
         if not client.wait_ready(30.0):
-            out.write(f"no session with the worker: {client.last_error}"
-                      "\n")
+            print(f"dspark-client: no session with the worker: {client.last_error}",
+                  file=sys.stderr)
             return 1
         source = RemoteDrafts(DraftRounds(client))
         dec = SpeculativeDecoder(target, source, temperature=args.temperature, seed=args.seed)

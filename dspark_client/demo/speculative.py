@@ -152,6 +152,10 @@ class SpeculativeDecoder:
         self.num_spec = source.num_spec if source is not None else 0
         self.stats = DecodeStats(max(self.num_spec, 1))
         self._generation: dict[int, int] = {}
+        # generate's finished sequences whose closing entry goes with the next round, and the
+        # slots closed in the last round, released with the next (``_closing_requests``).
+        self._closing: list[DecodeSeq] = []
+        self._to_release: list[int] = []
 
     # -- setup -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -188,7 +192,7 @@ class SpeculativeDecoder:
                     seed=(s.seed if sampled else 0), top_k=(self.top_k if sampled else 0),
                     temperature=(self.temperature if sampled else 0.0),
                     top_p=0.0))
-            res = self.source.round(reqs)
+            res = self.source.round(reqs + self._closing_requests())
             for s in live:
                 s.rows_sent = s.anchor_pos
             self.stats.rounds += 1
@@ -259,6 +263,23 @@ class SpeculativeDecoder:
         if k:
             self.stats.accept_lengths.append(a + 1)
 
+    def _closing_requests(self) -> list[SlotRequest]:
+        """An entry for each sequence that finished in the last round: the rows and the anchor
+        its last verify committed, no draft asked for. The worker learns what was accepted of
+        a block from the entry after it, so without these its acceptance figures would lack
+        every sequence's last block and differ from this decoder's. They go with the next
+        round, beside the live sequences (a STEP without a live slot would leave that slot's
+        block unjudged), or in a round of their own at the end; the slots go back after."""
+        closing, self._closing = self._closing, []
+        for s in closing:
+            self._to_release.append(s.slot)
+        reqs = [SlotRequest(slot=s.slot, generation=s.generation, anchor_pos=s.anchor_pos,
+                            anchor_token=s.tokens[-1], rows=s.rows[s.rows_sent:s.anchor_pos],
+                            n_out=0) for s in closing]
+        for s in closing:
+            s.rows_sent = s.anchor_pos
+        return reqs
+
     # -- whole runs ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  seeds: Sequence[int] | None = None,
@@ -281,10 +302,16 @@ class SpeculativeDecoder:
                     s.done = True
                 else:
                     still.append(s)
-            finished = [s.slot for s in live if s.done]
-            if finished and self.source is not None:
-                self.source.release(finished)
+            if self.source is not None:
+                if self._to_release:  # closed in this round: their slots go in the next
+                    self.source.release(self._to_release)
+                    self._to_release = []
+                self._closing.extend(s for s in live if s.done)
             live = still
+        if self.source is not None and self._closing:
+            self.source.round(self._closing_requests())  # not counted among the rounds
+            self.source.release(self._to_release)
+            self._to_release = []
         self.stats.seconds += time.perf_counter() - t0
         return [s.generated[:max_new_tokens] for s in seqs]
 

@@ -466,3 +466,31 @@ def test_a_dns_endpoint_names_every_worker(fw: FakeWorker, monkeypatch: pytest.M
     assert code == 0 and out.startswith(f"worker fake-worker at tcp://127.0.0.1:{port}")
     code, _ = run("--endpoint", f"dns+tcp://none.test:{port}", "ping")
     assert code == 3 and "names no worker" in capsys.readouterr().err
+
+
+def test_stats_summary_says_a_drafter_has_no_markov_head() -> None:
+    """A DFlash drafter's Markov identity is the digest of no tensors: said in words, not
+    shown as a digest that names nothing."""
+    from dspark_client.cli import stats_summary
+    from protocol.identity import NO_MARKOV_HEAD
+
+    st = {"drafter_name": "dflash@1234abcd", "drafter_identity": "ab" * 32,
+          "markov_identity": NO_MARKOV_HEAD.hex(), "sessions": []}
+    text = stats_summary(st, "tcp://w:1")
+    assert f"  drafter dflash@1234abcd: {'ab' * 8}..  no Markov head" in text
+    assert NO_MARKOV_HEAD.hex()[:16] not in text
+    st["markov_identity"] = "cd" * 32
+    assert f"  markov {'cd' * 8}.." in stats_summary(st, "tcp://w:1")
+
+
+def test_stats_summary_names_the_engine_of_each_session() -> None:
+    """A stranger sees each session's label and the engine it belongs to (a keyed hash of
+    its client name, the same across that engine's sessions), never the name itself."""
+    from dspark_client.cli import stats_summary
+
+    st = {"sessions": [{"label": "a1b2c3d4e5f6", "engine": "0f1e2d3c4b5a", "max_slots": 4},
+                       {"label": "ffeeddccbbaa", "engine": None, "max_slots": 2}]}
+    lines = [x.strip() for x in stats_summary(st, "tcp://w:1").splitlines()]
+    assert any(x.startswith("session a1b2c3d4e5f6 of engine 0f1e2d3c4b5a  4 slots")
+               for x in lines), lines
+    assert any(x.startswith("session ffeeddccbbaa") and "engine" not in x for x in lines)

@@ -80,3 +80,21 @@ def test_the_targets_hidden_size_is_taken_only_where_the_config_names_none(
     assert h.hidden == 4096 and h.row_bytes == h.n_taps * 4096 * 2
     with pytest.raises(ValueError, match="none of target_hidden_size, hidden_size is set"):
         hello_from_checkpoint(tmp_path, window=8, max_slots=1, identities=ids)
+
+
+def test_a_drafter_without_embeddings_and_no_target_is_a_plain_value_error(
+        tmp_path: Path) -> None:
+    """The drafter lacks embed_tokens and no target_checkpoint was passed: a missing argument,
+    said as a ValueError naming it, not the error type of a broken safetensors file."""
+    import struct
+
+    shutil.copy(REFERENCE / "config.json", tmp_path / "config.json")
+    header = json.dumps({"norm.weight": {"dtype": "F32", "shape": [2],
+                                         "data_offsets": [0, 8]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header
+                                                 + bytes(8))
+    with pytest.raises(ValueError) as info:
+        hello_from_checkpoint(tmp_path, window=16, max_slots=2)
+    assert type(info.value) is ValueError
+    assert "has no embed_tokens.weight and no target checkpoint was given" in str(info.value)
+    assert "target_checkpoint=" in str(info.value)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from client_fakes import FakeWorker
 
+from dspark_client.discovery import check_endpoint
 from dspark_client.transport import (
     EndpointError,
     SocketClient,
@@ -114,11 +115,17 @@ def test_parse_endpoint(text: str, kind: str, host: str, port: int, path: str) -
     ("tcp://host:1/x", "no path"),
     ("unix://relative.sock", "must be absolute"),
     ("unix:///" + "x" * 200, "107-byte sun_path"),
+    # a name no lookup can take: refused here, not a UnicodeError at every connect attempt
+    (f"tcp://{'w' * 64}.dspark.svc:7600", "is 64 bytes; a DNS label is 1 to 63"),
+    ("tcp://worker..svc:7600", "host label '' is 0 bytes"),
+    (f"tcp://{'a.' * 130}b:7600", "host name is 261 characters, over DNS's 253"),
+    (f"dns+tcp://{'w' * 64}:7600", "is 64 bytes; a DNS label is 1 to 63"),
 ])
 def test_bad_endpoint_names_itself(text: str, words: str) -> None:
     with pytest.raises(EndpointError) as info:
-        make_client(text)
-    assert repr(text) in str(info.value) and words in str(info.value)
+        check_endpoint(text) if text.startswith("dns+") else make_client(text)
+    assert words in str(info.value)
+    assert repr(text) in str(info.value) or repr(text.replace("dns+", "")) in str(info.value)
     assert isinstance(info.value, ValueError) and isinstance(info.value, TransportError)
 
 

@@ -193,3 +193,9 @@ def test_stats_cli_and_metrics_show_the_canary_beside_the_serving_drafter(
                          (("drafter", "canary"), ("name", canary["name"]), ("position", str(j)),
                           ("version", "2")))] for j in range(7)]
     assert accepted == canary["acceptance"]["accepted_by_position"]
+    # the start-up log says a canary runs, as STATS does
+    log = w.log_text()
+    assert f"canary 2 {canary['name']} drafts in the shadow of 100% of each session's slots" \
+        in log
+    assert f", canary 2 {canary['name']} drafting in the shadow of 100% of each session's" \
+        " slots" in log

@@ -97,6 +97,23 @@ def test_engine_example_says_why_a_worker_refused_it() -> None:
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 1, (proc.stdout, proc.stderr[-2000:])
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"remote drafting unavailable at {other.endpoint}: remote drafting"
-                           " disabled: HELLO refused: GEOMETRY"), last
-    assert "1024" in last and "2048" in last, last
+    assert last.startswith("remote drafting unavailable: remote drafting disabled: HELLO"
+                           " refused: GEOMETRY (window 2048 != ours 1024"), last
+
+
+def test_engine_example_names_an_absent_worker_once() -> None:
+    """No worker at the endpoint: the example's last line names it once (the transport's
+    error names it; the client does not add it again)."""
+    import socket
+
+    (code,) = blocks("python", "How an engine uses the client")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    env = {**os.environ, "DSPARK_ENDPOINT": endpoint, "PYTHONPATH": str(ROOT)}
+    code = code.replace("wait_ready(10.0)", "wait_ready(0.5)")  # nothing will answer
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.count(endpoint) == 1, last
+    assert last.startswith(f"remote drafting unavailable: {endpoint}: connect failed"), last

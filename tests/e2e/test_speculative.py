@@ -12,6 +12,7 @@ the reference drafter in a real worker process, drafts over the wire.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -86,6 +87,37 @@ def test_greedy_speculative_decoding_is_lossless(worker: WorkerProcess, target: 
     assert dec.stats.accept_lengths, "no round carried drafts"
     for prompt, got in zip(prompts, out, strict=True):
         assert got == target_only_greedy(target, prompt, 96, max_len=MAX_LEN)
+
+
+def test_the_workers_acceptance_figures_equal_the_decoders(worker: WorkerProcess,
+                                                          target: TargetModel) -> None:
+    """Every block the decoder verified is judged by the worker too, the last of each sequence
+    included (its closing entry tells the worker what was accepted): the mean accepted length
+    and the acceptance by position in STATS are the demo's own figures."""
+    import json
+
+    from protocol import wire
+
+    client, source = remote(worker, target)
+    try:
+        dec = SpeculativeDecoder(target, source, max_len=MAX_LEN, stop_at_eos=False)
+        dec.generate(PROMPTS[:2], 40)
+        st = dec.stats
+        deadline = time.monotonic() + 5.0  # STATS counters are rebuilt every 50 ms
+        while True:
+            status, body = client.simple_request(wire.OP_STATS)  # our connection: our session
+            assert status == wire.ST_OK
+            (mine,) = [s for s in json.loads(body)["sessions"]
+                       if s.get("client_name") == client.hello.client_name]
+            acc = mine["acceptance"]
+            if acc["rounds"] >= len(st.accept_lengths) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        client.close()
+    assert acc["rounds"] == len(st.accept_lengths) == st.verify_rounds
+    assert acc["mean_accepted_length"] == pytest.approx(st.mean_accepted_length, abs=1e-4)
+    assert acc["accepted_by_position"] == st.accepted.tolist()
 
 
 def test_remote_accepted_lengths_equal_local(worker: WorkerProcess,
@@ -185,6 +217,30 @@ def test_demo_closing_note_agrees_with_its_figures() -> None:
     assert closing_note(100.0, 98.0).startswith("Speculative decoding ran about as fast")
     for note in (closing_note(200.0, 100.0), slower):
         assert "no wall-clock speedup" not in note and "toy" in note
+
+
+def test_demo_says_a_worker_for_another_model_on_stderr(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A worker named by --endpoint that drafts for another model: the demo's error goes to
+    stderr as every dspark-client error does, stdout keeps only the demo's own output."""
+    import io
+
+    import msgspec
+
+    from dspark_client import cli
+    from dspark_client.demo.run import DEFAULT_PROMPT, run_demo
+
+    args = cli.build_parser().parse_args(["demo"])
+    args.prompt = DEFAULT_PROMPT
+    other = msgspec.structs.replace(hello_from_checkpoint(REFERENCE_DIR, window=16, max_slots=1),
+                                    hidden=256, row_bytes=3 * 256 * 2)
+    out = io.StringIO()
+    assert run_demo(lambda *_: other, args, out, endpoint="tcp://127.0.0.1:9",
+                    note="using the worker at tcp://127.0.0.1:9 (--endpoint)") == 1
+    assert out.getvalue() == "using the worker at tcp://127.0.0.1:9 (--endpoint)\n"
+    err = capsys.readouterr().err
+    assert err.startswith("dspark-client: the worker at tcp://127.0.0.1:9 drafts for 3 taps of"
+                          " 256, vocab 260; the reference target has 3 taps of 128"), err
 
 
 def test_demo_marks_text_from_accepted_drafts(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,9 +45,28 @@ def test_vllms_plugin_loader_registers_remote_dspark(monkeypatch: pytest.MonkeyP
     assert config_cls.speculator_class is not None
     assert issubclass(resolve_obj_by_qualname(config_cls.speculator_class), BaseSpeculator)
     # Loaded again (vLLM may): the same registration, no error.
+    import logging
+
     import dspark_vllm
 
     dspark_vllm.register()
+    # Our lines go through the handlers vLLM's logger has when they are logged (vLLM
+    # configures its logging after plugins load, and again in each process), once each.
+    seen: list[logging.LogRecord] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    vllm_log = logging.getLogger("vllm")
+    handler = Seen(logging.INFO)
+    vllm_log.addHandler(handler)
+    try:
+        logging.getLogger("dspark_client").info("through vLLM's handler")
+        logging.getLogger("dspark_vllm").debug("below vLLM's level")
+    finally:
+        vllm_log.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == ["through vLLM's handler"]
 
 
 def test_speculative_config_takes_the_method_and_its_options(
@@ -80,7 +99,17 @@ def test_speculative_config_takes_the_method_and_its_options(
     ({"bogus": 1}, "speculator_options: unknown option 'bogus'"),
     ({"auth_secret": "hunter2"}, "give the secret in a file: auth_secret_file"),
     ({"timeout_ms": -1}, "speculator_options.timeout_ms = -1.0: must be a finite number"),
-    ({"timeout_ms": "fast"}, "Expected `float`, got `str` - at `$.timeout_ms`"),
+    ({"timeout_ms": "fast"}, "timeout_ms = 'fast': must be a number (got str)"),
+    ({"timeout_ms": "50"}, "timeout_ms = '50': must be a number (got str)"),
+    ({"follow_drafter": 1}, "follow_drafter = 1: must be true or false (got int)"),
+    ({"endpoints": "tcp://a:1"}, "endpoints = 'tcp://a:1': must be a list of endpoint"),
+    ({"window": "1024"}, "window = '1024': must be an integer (got str)"),
+    ({"endpiont": "tcp://a:1"}, "unknown option 'endpiont' (did you mean 'endpoint'?)"),
+    ({"timeout_ms": 1e12}, "timeout_ms = 1000000000000.0: must be at most 10000"),
+    ({"connect_timeout_ms": 1e9}, "connect_timeout_ms = 1000000000.0: must be at most 60000"),
+    ({"max_rows_per_step": 2 ** 40}, "max_rows_per_step = 1099511627776: must be in"
+                                     " [1, 1048576]"),
+    ({"endpoint": f"tcp://{'a' * 64}.example:1"}, "label 'aaaa"),
     ({"endpoint": "http://x:1"}, "speculator_options.endpoint = 'http://x:1'"),
     ({"window": 0}, "speculator_options.window = 0: must be in [1, 65535]"),
     ({"window": 64, "max_rows_per_step": 32}, "max_rows_per_step = 32: must be at least"),

@@ -182,4 +182,15 @@ def test_a_bad_value_names_where_it_came_from(tmp_path: Path) -> None:
     assert "command line" not in text and "Expected" not in text
     with pytest.raises(ConfigError) as e:
         build_config(write(tmp_path, "max_slots = 8"), {"window": 0})
-    assert str(e.value).startswith("--window: window: 0 is not a positive integer")
+    assert str(e.value).startswith("--window: 0 is not a positive integer")  # named once
+
+
+def test_a_dtype_is_taken_in_its_other_spellings() -> None:
+    """``bf16``, ``fp16``, ``fp32`` (as torch and vLLM users write them) are the dtypes'
+    names here; anything else is refused with the flag named once."""
+    assert build_config(None, {"dtype": "bf16"}).dtype == "bfloat16"
+    assert build_config(None, {"dtype": "FP16"}).dtype == "float16"
+    assert build_config(None, {"dtype": "fp32"}).dtype == "float32"
+    with pytest.raises(ConfigError) as e:
+        build_config(None, {"dtype": "bf17"})
+    assert str(e.value) == "--dtype: 'bf17' is not one of auto, float32, bfloat16, float16"

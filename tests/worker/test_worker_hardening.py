@@ -171,6 +171,13 @@ def test_stats_shows_ids_only_to_their_own_connection(worker: ThreadWorker,
         mine = msgspec.json.decode(owner.stats(session=owner.session).body)["sessions"][0]
         assert mine["session"] == owner.session and mine["label"] == s["label"]
         assert mine["client_name"] == "engine-secret-name"
+        # The engine a session belongs to: a keyed hash of its client name, not the name, and
+        # the same for the engine's next session (a reload it follows, a restart).
+        assert re.fullmatch(r"[0-9a-f]{12}", s["engine"]) and s["engine"] != s["label"]
+        owner.session += 1
+        assert owner.hello(make_hello(d, client_name="engine-secret-name")).status == ST_OK
+        (again,) = msgspec.json.decode(stranger.stats().body)["sessions"]
+        assert again["label"] != s["label"] and again["engine"] == s["engine"]
 
 
 def test_takeover_with_the_largest_seq_does_not_lock_the_owner_out(worker: ThreadWorker,

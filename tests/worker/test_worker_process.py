@@ -190,6 +190,33 @@ def test_a_clean_exit_removes_the_port_file_and_leaves_at_once() -> None:
     w.stop()
 
 
+def test_sigterm_while_the_drafter_loads_is_said_and_exits_0(tmp_path: Path) -> None:
+    """A SIGTERM before the worker serves (the drafter loading, which can take minutes) stops
+    the start with a line saying so, exit 0, and no port file: not the default's silent death.
+    (The signal goes as soon as the log says the drafter is loading; loading, checking and
+    warming up the reference drafter takes far longer than that on any machine.)"""
+    log_path, port_file = tmp_path / "worker.log", tmp_path / "ports.json"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dspark_worker", "--listen",
+                                 "127.0.0.1:0", "--metrics-listen", "none", "--port-file",
+                                 str(port_file), "--device", "cpu"], stdout=log,
+                                stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
+    try:
+        deadline = time.monotonic() + 60
+        while "loading drafter" not in log_path.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log_path.read_text()
+    assert re.search(r"SIGTERM while starting \(reading the drafter .*\): stopping", text), text
+    assert "SIGTERM: stopped before serving" in text and "ready:" not in text
+    assert not port_file.exists()
+
+
 def test_bad_option_exits_2() -> None:
     p = subprocess.run([sys.executable, "-m", "dspark_worker", "--max-slots", "zero"],
                        capture_output=True, text=True, timeout=60)
