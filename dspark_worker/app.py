@@ -35,6 +35,7 @@ from protocol.auth import read_secret_file
 from protocol.constants import CAP_MARGIN, CAP_NO_CONFIDENCE, CAP_TAPS_BF16, CAP_TOP32
 
 from . import __version__
+from .admission import peer_host
 from .buffers import BufferPool, pinned_factory
 from .canary import Canary, CanaryFamilies, canary_lanes
 from .config import (
@@ -403,7 +404,11 @@ class WorkerApp:
                                    partial_timeout_s=c.partial_frame_timeout_s,
                                    handshake_timeout_s=c.handshake_timeout_s,
                                    connection_idle_s=c.connection_idle_s,
-                                   metrics_address=self.metrics_address)
+                                   metrics_address=self.metrics_address,
+                                   peer_host_of=functools.partial(
+                                       peer_host, v4_prefix=c.peer_prefix_v4,
+                                       v6_prefix=c.peer_prefix_v6,
+                                       loopback_one=c.loopback_one_peer))
         try:
             if c.listen:
                 host, port = parse_host_port(c.listen)

@@ -164,7 +164,14 @@ from .acceptance import WorkerAcceptance
 from .config import LIVE_SESSION_S, max_step_body_bytes
 from .metrics import Metrics
 from .runner import LaneOp, NonFiniteOutput, Runner, StepItem, reply_bytes
-from .sessions import DropReason, Outcome, Session, SessionTable, plan_step
+from .sessions import (
+    UNDERUSED_ROWS_PER_LANE_S,
+    DropReason,
+    Outcome,
+    Session,
+    SessionTable,
+    plan_step,
+)
 from .shm import ShmOps
 from .versions import Version, Versions, make_version
 
@@ -525,10 +532,16 @@ class Dispatcher:
         if moved_from and moved_from != conn.conn_id:
             self.session_left(moved_from)
         for s, reason in result.dropped:
-            self._dropped(s, reason, f"its {s.max_slots} slots, without a STEP for"
-                          f" {now - s.last_step_at:.1f} s, went to session {h.session:#010x}"
-                          f" from {conn.peer}" if reason is DropReason.UNUSED
-                          else f"by session {h.session:#010x} from {conn.peer}")
+            to = f"session {h.session:#010x} from {conn.peer}"
+            if reason is DropReason.UNUSED:
+                why = (f"its {s.max_slots} slots, without a STEP for"
+                       f" {now - s.last_step_at:.1f} s, went to {to}")
+            elif reason is DropReason.UNDERUSED:
+                why = (f"its {s.max_slots} slots, given {self.table.use(s, now):.2f} rows a"
+                       f" second each (under {UNDERUSED_ROWS_PER_LANE_S:g}), went to {to}")
+            else:
+                why = f"by {to}"
+            self._dropped(s, reason, why)
         for other in result.kept:
             self._refusal_log.warning(
                 ("shared_client_name", hello.client_name),

@@ -29,7 +29,10 @@ SMALL = ("--window", "32", "--max-slots", "16", "--max-total-slots", "96",
 # As the other flood tests: within this on two shared CI cores, this the median.
 SERVED_WITHIN_S = 2.0
 TYPICAL_S = 0.25
-OTHER_HOST = "127.0.0.2"  # a second peer host on the loopback (Linux routes 127/8 to lo)
+# A second peer host on the loopback (Linux routes 127/8 to lo), where the worker is told to
+# count each loopback address as its own host (SPLIT).
+OTHER_HOST = "127.0.0.2"
+SPLIT = ("--no-loopback-one-peer",)
 
 
 @pytest.fixture()
@@ -190,7 +193,8 @@ def test_lanes_are_bounded_per_connection_and_per_host_and_unused_ones_give_way(
     stranger's lanes once they went reservation_idle_s without a STEP (PINGs do not count),
     and an engine that STEPs keeps its own."""
     d = drafter
-    with start_worker("--window", "32", "--no-warmup", "--reservation-idle-s", "1.5") as w:
+    with start_worker("--window", "32", "--no-warmup", "--reservation-idle-s", "1.5",
+                      *SPLIT) as w:
         assert w.host and w.port
         addr = (w.host, w.port)
         hoard = Client(addr, timeout=20)
@@ -228,6 +232,54 @@ def test_lanes_are_bounded_per_connection_and_per_host_and_unused_ones_give_way(
         assert "Traceback" not in w.log_text()
 
 
+def test_lanes_hoarded_from_many_loopback_addresses_give_way_to_a_new_engine(
+        drafter: Any) -> None:
+    """At the default limits, 8 sessions of 64 slots from 127.0.0.2-5 each keep their
+    reservation alive with a one-row STEP four times a second. Every loopback address is one
+    peer host, so together they hold at most its share (256 of 512 lanes), and that share
+    stays underused (a row a second per lane is far under what an engine sends): a new
+    engine from yet another loopback address gets in within seconds, the hoarders' sessions
+    go (reason underused, ST_NO_SESSION), and the engine that STEPs keeps its lanes."""
+    d = drafter
+    with start_worker("--window", "32", "--no-warmup", "--reservation-idle-s", "1") as w:
+        assert w.host and w.port
+        hoarders: list[tuple[Client, int]] = []
+        for i in range(8):
+            c = Client((w.host, w.port), timeout=20, source=f"127.0.0.{2 + i % 4}")
+            if c.hello(make_hello(d, max_slots=64, client_name=f"h{i}")).status == ST_OK:
+                _step(c, d, 0, n_slots=1)
+                hoarders.append((c, c.session))
+            else:
+                c.close()
+        assert len(hoarders) == 4  # the loopback's share: 256 lanes, not 512
+        engine = Client((w.host, w.port), timeout=20, source="127.0.0.9")
+        t0, i, status = time.monotonic(), 1, ST_BUSY
+        while status != ST_OK:
+            assert time.monotonic() - t0 < 5.0, "the hoarded lanes were never let go"
+            for c, _ in hoarders:  # a row each, four times a second
+                if c.stats(c.session).status == ST_OK:
+                    _step(c, d, i, n_slots=1)
+            i += 1
+            engine.session += 1
+            status = engine.hello(make_hello(d, max_slots=256, client_name="engine")).status
+            time.sleep(0.25 if status != ST_OK else 0)
+        waited = time.monotonic() - t0
+        assert waited < 3.0, waited
+        for j in range(6):
+            _step(engine, d, j)
+        gone = [c for c, first in hoarders if c.stats(first).status == ST_NO_SESSION]
+        assert gone  # their lanes went to the engine
+        assert _metric(w, 'dspark_worker_sessions_dropped_total{reason="underused"}') >= 1
+        for c, _ in hoarders:  # they come back for lanes: the engine's STEPs keep its own
+            c.session += 100
+            c.hello(make_hello(d, max_slots=64, client_name="back"))
+        _step(engine, d, 6)
+        for c, _ in hoarders:
+            c.close()
+        engine.close()
+        assert "Traceback" not in w.log_text()
+
+
 def test_a_respawned_engine_is_not_locked_out_by_its_stopped_predecessor(drafter: Any) -> None:
     """An engine is stopped (SIGSTOP: its connection open, nothing sent) right after a STEP,
     and respawns under the same client name on the same host, into a pool its predecessor
@@ -251,7 +303,7 @@ def test_a_client_name_claimed_from_another_host_does_not_drop_a_connected_engin
     engine's session is kept, its next STEP is answered OK (it loses no round), both are
     served, and one warning says so."""
     d = drafter
-    with start_worker(*SMALL) as w:
+    with start_worker(*SMALL, *SPLIT) as w:
         assert w.host and w.port
         owner = _engine(w, d, "engine-7")
         time.sleep(LIVE_SESSION_S + 0.2)
