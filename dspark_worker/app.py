@@ -566,12 +566,16 @@ class WorkerApp:
             self._set_info_metric(same)
             return ("ok", f"{source} holds version {same.number} {same.name}, loaded still: it"
                     " serves new HELLOs again", same.number)
-        room = versions.room()
-        if room is not None:
-            raise ReloadFailed(room)
         problem = geometry_problem(read.loaded.config, disp.info)  # before any device memory
         if problem is not None:
             raise ReloadFailed(problem)
+        room = versions.room()
+        if room is not None:
+            freed = disp.versions_give_way()
+            if freed is None:
+                raise ReloadFailed(room)
+            log.info("reload: version %d %s let go by its sessions, which did not draft, to"
+                     " make room", freed.number, freed.name)
         d = None
         try:
             d = await loop.run_in_executor(loader, build_drafter_for, c, read)

@@ -868,6 +868,30 @@ class Dispatcher:
                                f" {now - s.last_step_at:.1f} s), was needed by another")
                 need -= nbytes
 
+    def versions_give_way(self) -> Version | None:
+        """A reload needs room (``--max-versions`` are loaded): the sessions of one older
+        version that none of them drafts in earnest (each unused or underused, as a HELLO
+        takes lanes) let go of it, so that it unloads; one held by following sessions only
+        first (they come back on the newest at once), else the oldest. The version let go,
+        or None if every older one serves a session that drafts."""
+        now = self.clock()
+        by_version: dict[int, list[Session]] = {}
+        for s in self.table:
+            if s.version is not None:
+                by_version.setdefault(s.version.number, []).append(s)
+        idle = [v for v in list(self.versions)[:-1]
+                if all(self.table.reclaimable(s, now) for s in by_version.get(v.number, []))]
+        if not idle:
+            return None
+        v = min(idle, key=lambda v: (not all(s.hello.flags & HF_FOLLOW
+                                              for s in by_version.get(v.number, [])),
+                                     v.number))
+        for s in by_version.get(v.number, []):
+            reason = DropReason.UNUSED if self.table.unused(s, now) else DropReason.UNDERUSED
+            self._drop(s, reason, f"version {v.number} {v.name}, which it holds and does not"
+                       " draft with, gave way to a reload (--max-versions)")
+        return v
+
     # -- sessions ---------------------------------------------------------------------------------
     def expire_idle(self) -> int:
         gone = self.table.expire(self.clock(), self.connected)

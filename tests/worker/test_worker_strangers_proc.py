@@ -7,6 +7,8 @@ or a new one must get in; the figures of the long versions are bench/soak.py's."
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,9 +21,9 @@ import pytest
 from worker_harness import Client, make_hello, tap_rows
 
 from dspark_worker.config import LIVE_SESSION_S
-from protocol.constants import RF_NEED_DRAFT, ST_BUSY, ST_NO_SESSION, ST_OK
+from protocol.constants import HF_FOLLOW, RF_NEED_DRAFT, ST_BUSY, ST_NO_SESSION, ST_OK
 from protocol.messages import ReqEntry
-from tests.support.worker_proc import WorkerProcess, start_worker
+from tests.support.worker_proc import WorkerProcess, start_worker, worker_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ("--window", "32", "--max-slots", "16", "--max-total-slots", "96",
@@ -277,6 +279,81 @@ def test_lanes_hoarded_from_many_loopback_addresses_give_way_to_a_new_engine(
         for c, _ in hoarders:
             c.close()
         engine.close()
+        assert "Traceback" not in w.log_text()
+
+
+def _reload(w: WorkerProcess, link: Path, target: str,
+            meanwhile: Any = lambda: None) -> dict[str, Any]:
+    """Point ``link`` at ``target``, SIGHUP, call ``meanwhile`` until the reload is done."""
+    link.unlink()
+    link.symlink_to(target)
+    asked = worker_stats(w)["reloads"]["asked"]
+    os.kill(w.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        meanwhile()
+        st = worker_stats(w)["reloads"]
+        if st["asked"] > asked and not st["running"]:
+            return dict(st["last"])
+    raise AssertionError(f"the reload did not finish: {w.log_text()[-2000:]}")
+
+
+def test_idle_follow_sessions_do_not_pin_versions_against_reloads(drafter: Any,
+                                                                  tmp_path: Path) -> None:
+    """At --max-versions 2, a stranger holds the serving version with an idle follow session
+    (no identities needed, kept alive by PINGs) before each reload: the next reload lets go
+    of the version it holds (the session gets ST_NO_SESSION) and loads. A version that
+    serves an engine drafting is never let go: that reload fails and the engine loses no
+    round."""
+    from dspark_worker.drafter.drafter import REFERENCE_DIR
+    from tests.support.drafters import perturbed_reference
+
+    d = drafter
+    shutil.copytree(REFERENCE_DIR, tmp_path / "A")
+    perturbed_reference(tmp_path / "B", seed=1)
+    perturbed_reference(tmp_path / "C", seed=2)
+    link = tmp_path / "current"
+    link.symlink_to("A")
+    follow = {"flags": HF_FOLLOW, "drafter_identity": bytes(32), "markov_identity": bytes(32)}
+    with start_worker("--checkpoint", str(link), "--window", "32", "--no-warmup",
+                      "--max-versions", "2", "--reservation-idle-s", "1", "--threads", "1") as w:
+        assert w.host and w.port
+        strangers = []
+        for name in ("s1", "s2"):
+            c = Client((w.host, w.port), timeout=20)
+            assert c.hello(make_hello(d, max_slots=4, client_name=name, **follow)).status \
+                == ST_OK
+            strangers.append(c)
+            target = "B" if name == "s1" else "C"
+            time.sleep(1.1)  # its session sent no STEP for reservation_idle_s
+            assert c.ping(c.session).status == ST_OK  # kept alive
+            done = _reload(w, link, target)
+            assert done["result"] == "ok", done  # before the fix: failed, --max-versions
+            if name == "s2":
+                assert strangers[0].stats(strangers[0].session).status == ST_NO_SESSION
+        assert "gave way to a reload" in w.log_text()
+        # s2 holds version 2 (B) and idles; an engine pinned to version 2 drafts
+        v2 = next(v for v in worker_stats(w)["versions"] if v["version"] == 2)
+        engine = Client((w.host, w.port), timeout=20)
+        assert engine.hello(make_hello(
+            d, max_slots=4, client_name="engine",
+            drafter_identity=bytes.fromhex(v2["drafter_identity"]),
+            markov_identity=bytes.fromhex(v2["markov_identity"]))).status == ST_OK
+        steps = [0]
+
+        def rounds() -> None:
+            _step(engine, d, steps[0])
+            steps[0] += 1
+
+        rounds()
+        done = _reload(w, link, "A", rounds)
+        assert done["result"] == "failed" and "--max-versions 2" in done["why"], done
+        assert steps[0] > 1
+        assert [v["version"] for v in worker_stats(w)["versions"]
+                if v["role"] != "unloaded"] == [2, 3]
+        assert strangers[1].stats(strangers[1].session).status == ST_OK  # nothing changed
+        for c in (*strangers, engine):
+            c.close()
         assert "Traceback" not in w.log_text()
 
 
