@@ -21,7 +21,14 @@ import pytest
 from worker_harness import Client, make_hello, tap_rows
 
 from dspark_worker.config import LIVE_SESSION_S
-from protocol.constants import HF_FOLLOW, RF_NEED_DRAFT, ST_BUSY, ST_NO_SESSION, ST_OK
+from protocol.constants import (
+    HF_FOLLOW,
+    RF_NEED_DRAFT,
+    RS_OK,
+    ST_BUSY,
+    ST_NO_SESSION,
+    ST_OK,
+)
 from protocol.messages import ReqEntry
 from tests.support.worker_proc import WorkerProcess, start_worker, worker_stats
 
@@ -448,6 +455,58 @@ def test_idle_follow_sessions_do_not_pin_versions_against_reloads(drafter: Any,
                 if v["role"] != "unloaded"] == [2, 3]
         assert strangers[1].stats(strangers[1].session).status == ST_OK  # nothing changed
         for c in (*strangers, engine):
+            c.close()
+        assert "Traceback" not in w.log_text()
+
+
+def test_one_session_cannot_carry_the_canarys_per_session_figures(drafter: Any,
+                                                                  tmp_path: Path) -> None:
+    """Three engines accept every serving draft; a fourth, with more slots than the three
+    together, reports that it accepted none (a dishonest or broken engine). The pooled
+    figures follow the fourth (the serving drafter looks poor); the per-session ones (each
+    session one vote, the median) stay those of the three."""
+    from tests.support.drafters import perturbed_reference
+
+    d = drafter
+    k = d.num_spec
+    candidate = perturbed_reference(tmp_path / "candidate")
+    with start_worker(*SMALL, "--canary-checkpoint", str(candidate),
+                      "--canary-fraction", "1") as w:
+        assert w.host and w.port
+        engines = []
+        for name, slots in (("a", 2), ("b", 2), ("c", 2), ("liar", 8)):
+            c = Client((w.host, w.port), timeout=20)
+            assert c.hello(make_hello(d, max_slots=slots, client_name=name)).status == ST_OK
+            engines.append((c, slots, name == "liar", [8] * slots, [k] * slots))
+        for i in range(10):  # 9 judged blocks a slot: 18 for each honest session
+            for c, slots, liar, anchor, accepted in engines:
+                entries, rows = [], []
+                for sl in range(slots):
+                    n = 8 if i == 0 else accepted[sl] + 1
+                    if i:
+                        anchor[sl] += n
+                    entries.append(ReqEntry(slot=sl, generation=1, anchor_pos=anchor[sl],
+                                            anchor_token=(7 * i + sl) % d.vocab_size,
+                                            n_rows=n, flags=RF_NEED_DRAFT))
+                    rows.append(tap_rows(d.row_bytes, sl, 1, anchor[sl] - n, n))
+                r = c.step(entries, np.concatenate(rows), d.row_bytes)
+                assert r.status == ST_OK
+                status = r.step().status
+                for sl in range(slots):  # the liar accepts nothing, the others everything
+                    accepted[sl] = 0 if liar or status[sl] != RS_OK else k
+            time.sleep(0.05)  # the engines' own step: the canary drafts in the gaps
+        deadline = time.monotonic() + 20
+        while True:
+            canary = worker_stats(w)["canary"]
+            if canary["per_session"]["sessions"] == 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        per = canary["per_session"]
+        assert per["sessions"] == 4, canary
+        pooled = canary["serving_acceptance"]["mean_accepted_drafts"]
+        assert pooled < k / 2, canary  # the liar's blocks outnumber the others'
+        assert per["serving_mean_accepted_drafts"] == k, per  # the three honest sessions
+        for c, *_ in engines:
             c.close()
         assert "Traceback" not in w.log_text()
 
