@@ -645,7 +645,10 @@ def main(argv: list[str] | None = None) -> int:
     worker_args = (*secret_args, "--listen", f"127.0.0.1:{port}",
                    "--metrics-listen", f"127.0.0.1:{mport}",
                    "--window", str(a.window), "--max-slots", str(a.slots),
-                   "--max-total-slots", str(a.engines * a.slots * 2),
+                   # the engines' lanes twice over, and one for the loop probe's session;
+                   # every engine and the probe on this host: its share is the pool
+                   "--max-total-slots", str(a.engines * a.slots * 2 + 1),
+                   "--max-slots-per-peer", str(a.engines * a.slots * 2 + 1),
                    "--max-sessions", str(max(64, 2 * a.engines)), "--device", a.device,
                    *a.worker_arg)
     t_start = time.monotonic()
