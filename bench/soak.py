@@ -98,7 +98,8 @@ def engine_main(e: int, args: dict[str, Any], hello_raw: bytes, out: Any, killed
         hello = wire.Hello(**{f: getattr(hello, f) for f in hello.__struct_fields__
                               if f != "client_name"}, client_name=f"soak-{e}")
         cfg = RemoteConfig(endpoint=args["endpoint"], timeout_ms=args["timeout_ms"],
-                           connect_timeout_ms=3000, backoff_ms=50, backoff_max_ms=1000)
+                           connect_timeout_ms=3000, backoff_ms=50, backoff_max_ms=1000,
+                           auth_secret=args["secret"])
         c = RemoteDraftClient(cfg, hello)
         if not c.wait_ready(120):
             raise RuntimeError(f"engine {e}: not ready: {c.last_error}")
@@ -349,14 +350,19 @@ def keepalive_flood(host: str, port: int, connections: int, stop: threading.Even
 
 
 def churn(host: str, port: int, rate: float, payload: bytes, done: Callable[[], bool],
-          made: Callable[[], None] = lambda: None, hold: int = 64) -> None:
+          made: Callable[[], None] = lambda: None, hold: int = 64,
+          sources: list[str] | None = None) -> None:
     """``rate`` new connections a second until ``done()``, each sent ``payload`` in one write
-    and never read; the newest ``hold`` stay open (the oldest is closed)."""
+    and never read; the newest ``hold`` stay open (the oldest is closed). ``sources``: local
+    addresses the connections come from in turn (127.0.0.N: Linux routes 127/8 to lo)."""
     held: list[socket.socket] = []
     t_next = time.monotonic()
+    turn = 0
     while not done():
         try:
-            s = socket.create_connection((host, port), timeout=2)
+            source = (sources[turn % len(sources)], 0) if sources else None
+            turn += 1
+            s = socket.create_connection((host, port), timeout=2, source_address=source)
             s.setblocking(False)
             with contextlib.suppress(OSError):
                 s.send(payload)
@@ -376,32 +382,37 @@ def churn(host: str, port: int, rate: float, payload: bytes, done: Callable[[], 
         s.close()
 
 
-def churn_flood(host: str, port: int, rate: float, burst: int, op: int, stop: threading.Event,
-                counter: list[int]) -> None:
+def churn_flood(host: str, port: int, rate: float, burst: int, op: int, sources: list[str],
+                stop: threading.Event, counter: list[int]) -> None:
     """``rate`` new connections a second (over 4 threads), each sent one write of ``burst``
     STATS or PINGs whose replies it never reads; each thread keeps its newest 64 open and
-    ``counter`` counts the connections made."""
+    ``counter`` counts the connections made; from ``sources`` in turn (none: the default)."""
     msg = b"".join(wire.frame(op, i + 1, 0) for i in range(burst))
 
     def run(k: int) -> None:
         def made() -> None:
             counter[k] += 1
 
-        churn(host, port, rate / 4, msg, stop.is_set, made)
+        churn(host, port, rate / 4, msg, stop.is_set, made, sources=sources[k::4] or None)
 
     run_all(run, [(k,) for k in range(4)])
 
 
-def hoard_lanes(host: str, port: int, hello_body: bytes, stop: threading.Event,
-                counter: list[int]) -> None:
+def hoard_lanes(host: str, port: int, hello_body: bytes, sources: list[str], step_s: float,
+                stop: threading.Event, counter: list[int]) -> None:
     """A stranger with no secret reserves every lane it can: HELLOs of ``max_slots`` slots (4
-    sessions a connection, up to 8 connections), each of whose sessions then only PINGs, and
-    HELLOs again every 0.5 s for what frees; never a STEP. ``counter[0]``: the sessions it holds
-    now, ``counter[1]``: its HELLOs refused."""
+    sessions a connection, up to 8 connections, from ``sources`` in turn), each of whose
+    sessions then only PINGs, and HELLOs again every 0.5 s for what frees; with ``step_s``
+    each session also sends a one-row STEP that often, to keep its reservation "used".
+    ``counter[0]``: the sessions it holds now, ``counter[1]``: its HELLOs refused."""
+    from protocol.messages import ReqEntry, pack_step
+
     base = wire.Hello.unpack(hello_body)
     socks: list[tuple[socket.socket, list[int]]] = []
     seq = 0
     next_session = 0x5EED0000
+    anchors: dict[int, int] = {}  # session -> its slot 0's next anchor position
+    stepped = time.monotonic()
 
     def ask(s: socket.socket, op: int, session: int, body: bytes = b"") -> int:
         nonlocal seq
@@ -424,10 +435,21 @@ def hoard_lanes(host: str, port: int, hello_body: bytes, stop: threading.Event,
     while not stop.is_set():
         try:
             while len(socks) < 8:
-                s = socket.create_connection((host, port), timeout=2)
+                source = (sources[len(socks) % len(sources)], 0) if sources else None
+                s = socket.create_connection((host, port), timeout=2, source_address=source)
                 socks.append((s, []))
+            step_now = step_s > 0 and time.monotonic() - stepped >= step_s
+            if step_now:
+                stepped = time.monotonic()
             for s, held in socks:
                 held[:] = [sid for sid in held if ask(s, wire.OP_PING, sid) == wire.ST_OK]
+                for sid in held if step_now else []:
+                    pos = anchors.get(sid, 1)
+                    anchors[sid] = pos + 1
+                    body = pack_step(seq + 1, [ReqEntry(slot=0, generation=1, anchor_pos=pos,
+                                                        anchor_token=1, n_rows=1)],
+                                     bytes(base.row_bytes), base.row_bytes)
+                    ask(s, wire.OP_STEP, sid, body)
                 while len(held) < 4:
                     next_session += 1
                     hello = wire.Hello(**{f: getattr(base, f) for f in base.__struct_fields__
@@ -445,6 +467,40 @@ def hoard_lanes(host: str, port: int, hello_body: bytes, stop: threading.Event,
         stop.wait(0.5)
     for s, _ in socks:
         s.close()
+
+
+def loop_probe(host: str, port: int, hello_body: bytes, secret: bytes | None,
+               stop: threading.Event, out: list[tuple[float, float]]) -> None:
+    """The event loop's stalls as an engine's frames meet them: a session of its own (keyed
+    when the worker has a secret) PINGs on its connection every 20 ms (a session's PING waits
+    for no ration); (monotonic time, round trip in seconds) of each."""
+    from protocol.auth import sign_hello
+
+    base = wire.Hello.unpack(hello_body)
+    hello = wire.Hello(**{f: getattr(base, f) for f in base.__struct_fields__
+                          if f not in ("client_name", "max_slots")},
+                       client_name="loop-probe", max_slots=1)
+    session = 0x10097
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def ask(op: int, seq: int, body: bytes = b"") -> None:
+            s.sendall(wire.frame(op, seq, session, body))
+            buf = b""
+            while len(buf) < wire.APP_HEADER_SIZE:
+                buf += s.recv(1 << 16) or b"!" * 64
+            h = wire.AppHeader.unpack(buf[:wire.APP_HEADER_SIZE])
+            while len(buf) < wire.APP_HEADER_SIZE + h.body_len:
+                buf += s.recv(1 << 16)
+
+        ask(wire.OP_HELLO, 1, sign_hello(secret, session, 1, hello).pack())
+        seq = 1
+        while not stop.is_set():
+            seq += 1
+            t = time.perf_counter()
+            ask(wire.OP_PING, seq)
+            out.append((time.monotonic(), time.perf_counter() - t))
+            stop.wait(0.02)
 
 
 def worker_cpu_s(pid: int) -> float:
@@ -556,6 +612,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="churn: new connections a second")
     p.add_argument("--churn-burst", type=int, default=32, help="churn: frames per connection")
     p.add_argument("--churn-op", choices=("stats", "ping"), default="stats")
+    p.add_argument("--flood-addresses", type=int, default=0,
+                   help="churn and hoard: connections come from this many loopback addresses"
+                        " (127.0.3.1 ...; the worker counts them as one host unless given"
+                        " --worker-arg=--no-loopback-one-peer)")
+    p.add_argument("--hoard-step-s", type=float, default=0.0,
+                   help="hoard: each hoarded session also sends a one-row STEP this often")
+    p.add_argument("--secret", action="store_true",
+                   help="the worker has a shared secret: the engines have it, the floods not")
     p.add_argument("--no-kill", action="store_true",
                    help="no kill -9 / restart (a flood measurement)")
     a = p.parse_args(argv)
@@ -568,9 +632,23 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     drafter = load_drafter(None)
     port, mport = free_port(), free_port()
-    worker_args = ("--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
+    secret = os.urandom(32) if a.secret else None
+    secret_args: tuple[str, ...] = ()
+    if secret is not None:
+        import tempfile
+
+        secret_file = Path(tempfile.mkdtemp(prefix="dspark-soak-")) / "secret"
+        secret_file.write_bytes(secret.hex().encode())
+        secret = secret.hex().encode()  # the file's content is the secret (stripped)
+        secret_args = ("--auth-secret-file", str(secret_file))
+    sources = [f"127.0.3.{i + 1}" for i in range(a.flood_addresses)]
+    worker_args = (*secret_args, "--listen", f"127.0.0.1:{port}",
+                   "--metrics-listen", f"127.0.0.1:{mport}",
                    "--window", str(a.window), "--max-slots", str(a.slots),
-                   "--max-total-slots", str(a.engines * a.slots * 2),
+                   # the engines' lanes twice over, and one for the loop probe's session;
+                   # every engine and the probe on this host: its share is the pool
+                   "--max-total-slots", str(a.engines * a.slots * 2 + 1),
+                   "--max-slots-per-peer", str(a.engines * a.slots * 2 + 1),
                    "--max-sessions", str(max(64, 2 * a.engines)), "--device", a.device,
                    *a.worker_arg)
     t_start = time.monotonic()
@@ -588,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     killed, stop = ctx.Event(), ctx.Event()
     eargs = dict(endpoint=f"tcp://127.0.0.1:{port}", slots=a.slots, interval=a.interval,
                  sample_every=a.sample_every, timeout_ms=a.timeout_ms,
-                 step_s=a.step_ms / 1000.0)
+                 step_s=a.step_ms / 1000.0, secret=secret)
     procs = [ctx.Process(target=engine_main, args=(e, eargs, hello.pack(), out, killed, stop),
                          daemon=True) for e in range(a.engines)]
     for pr in procs:
@@ -601,6 +679,15 @@ def main(argv: list[str] | None = None) -> int:
     cpu_thread = threading.Thread(target=cpu_sampler, args=(lambda: worker.pid, cpu_stop, cpu),
                                   daemon=True)
     cpu_thread.start()
+    loop_s: list[tuple[float, float]] = []
+    loop_stop = threading.Event()
+
+    def probe_loop() -> None:
+        with contextlib.suppress(OSError):  # the worker killed (-9): the probe ends
+            loop_probe("127.0.0.1", port, hello.pack(), secret, loop_stop, loop_s)
+
+    loop_thread = threading.Thread(target=probe_loop, daemon=True)
+    loop_thread.start()
     flood_on_t = flood_off_t = 0.0  # monotonic
     print(f"soak: {a.engines} engines x {a.slots} slots, W {a.window}, {a.duration:g} s,"
           f" fuzz {a.fuzz_frames} frames at {a.fuzz_at:.0%}, kill -9 at {a.kill_at:.0%};"
@@ -641,11 +728,13 @@ def main(argv: list[str] | None = None) -> int:
                 n = int(a.churn_rate)
                 flood_count = [0] * 4
                 op = wire.OP_STATS if a.churn_op == "stats" else wire.OP_PING
-                flood_args = (churn_flood, "127.0.0.1", port, a.churn_rate, a.churn_burst, op)
+                flood_args = (churn_flood, "127.0.0.1", port, a.churn_rate, a.churn_burst, op,
+                              sources)
             elif a.flood == "hoard":
                 n = 8
                 flood_count = [0, 0]
-                flood_args = (hoard_lanes, "127.0.0.1", port, hello.pack())
+                flood_args = (hoard_lanes, "127.0.0.1", port, hello.pack(), sources,
+                              a.hoard_step_s)
             else:
                 flood_count = [0] * max(n, 1)
                 flood_args = (pipeline_flood if a.flood == "pipeline" else keepalive_flood,
@@ -757,6 +846,8 @@ def main(argv: list[str] | None = None) -> int:
         elif msg[0] == "error":
             errors.append(f"engine {msg[1]}: {msg[2]}")
     cpu_stop.set()
+    loop_stop.set()
+    loop_thread.join(10)
     for pr in procs:
         pr.join(10)
         if pr.is_alive():
@@ -854,6 +945,17 @@ def main(argv: list[str] | None = None) -> int:
             "p99_ms": round(_pct(finite, 99) * 1e3, 2),
             "max_ms": round(max(finite, default=float("nan")) * 1e3, 2)}
         flood["flood_replies_or_closes"] = sum(flood_count)
+        t_end = flood_off_t or time.monotonic()
+        for name, lo, hi in (("before", 0.0, flood_on_t), ("flood", flood_on_t, t_end),
+                             ("after", t_end, float("inf"))):
+            rt = [r for t, r in loop_s if lo <= t < hi]
+            ph = phases[name]
+            flood[name]["ok_share"] = round(ph[0] / max(1, ph[0] + ph[1]), 4)
+            flood[name]["loop_worst_ms"] = round(max(rt, default=float("nan")) * 1e3, 1)
+            flood[name]["loop_p99_ms"] = round(_pct(rt, 99) * 1e3, 1)
+        print("OK share / loop worst ms, before, during, after: "
+              + ", ".join(f"{flood[k]['ok_share']:.1%} / {flood[k]['loop_worst_ms']}"
+                          for k in ("before", "flood", "after")))
         print(f"new connections during the flood: {flood['new_connection']}")
         t_end = flood_off_t or time.monotonic()
         flood["worker_cpu_cores"] = {

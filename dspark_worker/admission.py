@@ -17,6 +17,7 @@ Pure bookkeeping over a clock and ``call_later``: the server owns the sockets.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -45,6 +46,28 @@ MAX_PEERS: Final = 4096
 
 HELLO: Final = "hello"
 OTHER: Final = "other"
+LOOPBACK: Final = "loopback"
+
+
+def peer_host(address: str, *, v4_prefix: int = 32, v6_prefix: int = 64,
+              loopback_one: bool = True) -> str:
+    """The peer host per-peer limits count a TCP peer's ``address`` under: every loopback
+    address (127.0.0.0/8, ::1) as one host, since any process on the worker's host can use any
+    of them (``loopback_one``); an IPv6 address by its ``v6_prefix`` network (a host is given
+    a /64 and picks addresses in it freely); an IPv4 address by its ``v4_prefix`` network. An
+    IPv4-mapped IPv6 address counts as its IPv4 address."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 scope id names no host
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback and loopback_one:
+        return LOOPBACK
+    prefix = v4_prefix if ip.version == 4 else v6_prefix
+    if prefix >= ip.max_prefixlen:
+        return str(ip)
+    return str(ipaddress.ip_network((ip, prefix), strict=False))
 
 
 class Waiter(Protocol):

@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
@@ -54,6 +54,10 @@ MAX_BACKLOG_BYTES: Final = 64 << 20
 # Positions of revealed tokens a chain keeps behind its newest one: a canary block older than
 # that (a canary that lags this far) is censored.
 CHAIN_TOKENS: Final = 4096
+# Sessions whose judged blocks are kept apart for the per-session figures (the most recent),
+# and the judged blocks a session needs before it counts there.
+SESSIONS_KEPT: Final = 4096
+SESSION_MIN_BLOCKS: Final = 16
 _USABLE: Final = np.isin(np.arange(256), sorted(USABLE_REQ_STATUS))
 
 Ints = npt.NDArray[np.int64]
@@ -73,9 +77,10 @@ def shadowed_slots(session_id: int, key: bytes, max_slots: int, fraction: float
 class _Chain:
     """The tokens one slot's request revealed so far, and the canary blocks waiting on them."""
 
-    __slots__ = ("base", "closed", "pending", "serving", "tokens")
+    __slots__ = ("base", "closed", "owner", "pending", "serving", "tokens")
 
-    def __init__(self, anchor: int, token: int) -> None:
+    def __init__(self, anchor: int, token: int, owner: int) -> None:
+        self.owner = owner  # the session whose STEPs revealed its tokens
         self.base = anchor  # position of tokens[0]
         self.tokens: list[int] = [token]
         self.closed = False
@@ -213,6 +218,8 @@ class Canary:
         self.has_confidence = bool(getattr(drafter, "has_confidence", True))
         self.totals = AcceptanceTotals(num_spec, self.has_confidence)
         self.serving: dict[int, tuple[str, AcceptanceTotals]] = {}  # by serving version
+        # session id -> [blocks, canary's accepted drafts, serving's accepted drafts] judged
+        self.by_session: OrderedDict[int, list[int]] = OrderedDict()
         self._lock = threading.Lock()  # the scrape reads the totals
 
     @property
@@ -260,7 +267,8 @@ class Canary:
                 st = shadow.slots[slot] = _Slot()
             chains.append(self._advance(st, step, v, int(plan.generation[i]),
                                         int(plan.anchor_pos[i]), int(plan.anchor_token[i]),
-                                        bool(plan.reset[i]), bool(plan.release[i])))
+                                        bool(plan.reset[i]), bool(plan.release[i]),
+                                        s.session_id))
             k = int(k_all[i]) if drafted[i] and _USABLE[status[i]] else 0
             st.k = k
             st.ids = np.array(reply.draft_ids[i, :k], dtype=np.int32)
@@ -268,7 +276,7 @@ class Canary:
         self._queue(item, picked, drafted, chains, status)
 
     def _advance(self, st: _Slot, step: int, version: Any, generation: int, anchor: int,
-                 token: int, reset: bool, release: bool) -> _Chain | None:
+                 token: int, reset: bool, release: bool, owner: int) -> _Chain | None:
         """The slot's next STEP: reveal what it shows about the last block, or end the chain
         and start another. Returns the chain a block drafted now belongs to."""
         chain = st.chain
@@ -285,7 +293,7 @@ class Canary:
                 continues = False
         if not continues:
             self._close(chain)
-            chain = None if release else _Chain(anchor, token)
+            chain = None if release else _Chain(anchor, token, owner)
         st.chain, st.generation, st.step, st.anchor, st.version = (chain, generation, step,
                                                                   anchor, version)
         return chain
@@ -481,6 +489,13 @@ class Canary:
                     entry = self.serving[number] = (name, AcceptanceTotals(
                         self.num_spec, version.has_confidence if version is not None else True))
                 _count(entry[1], k_s, a_s, conf_s)
+                mine = self.by_session.pop(chain.owner, None) or [0, 0, 0]
+                mine[0] += 1
+                mine[1] += got
+                mine[2] += a_s
+                self.by_session[chain.owner] = mine
+                while len(self.by_session) > SESSIONS_KEPT:
+                    self.by_session.popitem(last=False)
 
     # -- reading ----------------------------------------------------------------------------
     def rows(self) -> Iterator[tuple[list[str], AcceptanceTotals]]:
@@ -504,7 +519,23 @@ class Canary:
                     "lanes_used": self.lanes_used, "backlog_steps": self.backlog_steps,
                     "shed_entries": self.shed_entries, "censored_blocks": self.censored,
                     "acceptance": self.totals.summary(),
-                    "serving_acceptance": serving.summary()}
+                    "serving_acceptance": serving.summary(),
+                    "per_session": self._per_session()}
+
+    def _per_session(self) -> dict[str, Any]:
+        """Each session one vote: the median over sessions (with SESSION_MIN_BLOCKS judged
+        blocks or more) of their mean accepted drafts per block, the canary's and the serving
+        drafter's on the same blocks. The pooled figures weigh sessions by their blocks, so a
+        session with many slots (or an engine that reports made-up tokens) can carry them; one
+        session of three or more cannot carry these."""
+        counted = [v for v in self.by_session.values() if v[0] >= SESSION_MIN_BLOCKS]
+
+        def median(values: list[float]) -> float | None:
+            return round(float(np.median(values)), 4) if values else None
+
+        return {"sessions": len(counted),
+                "mean_accepted_drafts": median([c / n for n, c, _ in counted]),
+                "serving_mean_accepted_drafts": median([s / n for n, _, s in counted])}
 
 
 def _count(t: AcceptanceTotals, k: int, accepted: int, confidence: npt.NDArray[np.float32]

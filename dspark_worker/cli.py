@@ -109,6 +109,18 @@ OPTIONS: Final[list[tuple[str, str, Any, str]]] = [
      f" its slots up to a HELLO that would not fit otherwise (dropped, reason unused). An"
      f" idle engine keeps them while nobody needs them. Default:"
      f" {DEFAULT_RESERVATION_IDLE_S:g}."),
+    ("peer_prefix_v4", "BITS", int,
+     "IPv4 peers in one network of this prefix length count as one peer host for the per-peer"
+     " limits (sessions, slots, the rates of frames without a session). Lower it where one"
+     " party holds a block of addresses. Default: 32 (each address)."),
+    ("peer_prefix_v6", "BITS", int,
+     "the same for IPv6 peers: a host is given a /64 and may use any address in it. Default:"
+     " 64."),
+    ("loopback_one_peer", "BOOL", None,
+     "count every loopback address (127.0.0.0/8, ::1) as one peer host: any process on the"
+     " worker's host may use any of them. --no-loopback-one-peer counts each as its own (a"
+     " test bed standing in for hosts with loopback addresses; never where strangers share"
+     " the host). Default: on."),
     ("max_connections", "N", int,
      f"open connections. At the limit a new one pushes out the oldest connection that holds"
      f" no session; when every one holds a session it is closed at once. Default:"

@@ -146,6 +146,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_slots_per_connection: int = 0  # 0: max_slots
     max_slots_per_peer: int = 0  # 0: room left for one more max_slots session from elsewhere
     reservation_idle_s: float = DEFAULT_RESERVATION_IDLE_S
+    peer_prefix_v4: int = 32  # IPv4 peers in one such network count as one peer host
+    peer_prefix_v6: int = 64
+    loopback_one_peer: bool = True  # every loopback address is one peer host
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_frame_bytes: int = 0  # 0: the largest legal STEP for max_slots and max_rows_per_step
     max_shm_region_bytes: int = DEFAULT_MAX_SHM_REGION_BYTES
@@ -234,6 +237,8 @@ def _problems(c: WorkerConfig) -> list[tuple[str, object, str]]:
     non_negative_int("max_slots_per_connection", "the default share")
     non_negative_int("max_slots_per_peer", "the default share")
     positive_seconds("reservation_idle_s")
+    positive_int("peer_prefix_v4", 32)
+    positive_int("peer_prefix_v6", 128)
     positive_int("max_connections")
     if isinstance(c.max_versions, bool) or not isinstance(c.max_versions, int) \
             or c.max_versions < 2:

@@ -43,7 +43,10 @@ go only to its own connection)::
                         "lanes": int, "lanes_used": int, "backlog_steps": int,
                         "shed_entries": int, "censored_blocks": int,
                         "device_room": {"gap_ms": float | null, "chunk_ms": float | null},
-                        "acceptance": ACCEPTANCE, "serving_acceptance": ACCEPTANCE},
+                        "acceptance": ACCEPTANCE, "serving_acceptance": ACCEPTANCE,
+                        "per_session": {"sessions": int,
+                                        "mean_accepted_drafts": float | null,
+                                        "serving_mean_accepted_drafts": float | null}},
       "limits": {"max_slots", "max_rows_per_step", "max_sessions", "max_total_slots",
                  "max_sessions_per_peer", "max_slots_per_connection", "max_slots_per_peer",
                  "reservation_idle_s", "max_connections", "max_frame_bytes",
@@ -165,7 +168,14 @@ from .acceptance import WorkerAcceptance
 from .config import LIVE_SESSION_S, max_step_body_bytes
 from .metrics import Metrics
 from .runner import LaneOp, NonFiniteOutput, Runner, StepItem, reply_bytes
-from .sessions import DropReason, Outcome, Session, SessionTable, plan_step
+from .sessions import (
+    UNDERUSED_ROWS_PER_LANE_S,
+    DropReason,
+    Outcome,
+    Session,
+    SessionTable,
+    plan_step,
+)
 from .shm import ShmOps
 from .versions import Version, Versions, make_version
 
@@ -526,10 +536,16 @@ class Dispatcher:
         if moved_from and moved_from != conn.conn_id:
             self.session_left(moved_from)
         for s, reason in result.dropped:
-            self._dropped(s, reason, f"its {s.max_slots} slots, without a STEP for"
-                          f" {now - s.last_step_at:.1f} s, went to session {h.session:#010x}"
-                          f" from {conn.peer}" if reason is DropReason.UNUSED
-                          else f"by session {h.session:#010x} from {conn.peer}")
+            to = f"session {h.session:#010x} from {conn.peer}"
+            if reason is DropReason.UNUSED:
+                why = (f"its {s.max_slots} slots, without a STEP for"
+                       f" {now - s.last_step_at:.1f} s, went to {to}")
+            elif reason is DropReason.UNDERUSED:
+                why = (f"its {s.max_slots} slots, given {self.table.use(s, now):.2f} rows a"
+                       f" second each (under {UNDERUSED_ROWS_PER_LANE_S:g}), went to {to}")
+            else:
+                why = f"by {to}"
+            self._dropped(s, reason, why)
         for other in result.kept:
             self._refusal_log.warning(
                 ("shared_client_name", hello.client_name),
@@ -855,6 +871,30 @@ class Dispatcher:
                                " shared-memory region, unused (no STEP for"
                                f" {now - s.last_step_at:.1f} s), was needed by another")
                 need -= nbytes
+
+    def versions_give_way(self) -> Version | None:
+        """A reload needs room (``--max-versions`` are loaded): the sessions of one older
+        version that none of them drafts in earnest (each unused or underused, as a HELLO
+        takes lanes) let go of it, so that it unloads; one held by following sessions only
+        first (they come back on the newest at once), else the oldest. The version let go,
+        or None if every older one serves a session that drafts."""
+        now = self.clock()
+        by_version: dict[int, list[Session]] = {}
+        for s in self.table:
+            if s.version is not None:
+                by_version.setdefault(s.version.number, []).append(s)
+        idle = [v for v in list(self.versions)[:-1]
+                if all(self.table.reclaimable(s, now) for s in by_version.get(v.number, []))]
+        if not idle:
+            return None
+        v = min(idle, key=lambda v: (not all(s.hello.flags & HF_FOLLOW
+                                              for s in by_version.get(v.number, [])),
+                                     v.number))
+        for s in by_version.get(v.number, []):
+            reason = DropReason.UNUSED if self.table.unused(s, now) else DropReason.UNDERUSED
+            self._drop(s, reason, f"version {v.number} {v.name}, which it holds and does not"
+                       " draft with, gave way to a reload (--max-versions)")
+        return v
 
     # -- sessions ---------------------------------------------------------------------------------
     def expire_idle(self) -> int:

@@ -47,6 +47,8 @@ dspark_worker_stage_duration_seconds        histogram  stage: decode, queue, app
                                                        to_device, from_device (the hand-offs)
 dspark_worker_batch_steps                   histogram  STEPs per device batch
 dspark_worker_batch_entries                 histogram  entries drafted per drafter call
+dspark_worker_gc_pause_seconds              histogram  generation (0, 1, 2): pauses of the cyclic
+                                                       garbage collector (the loop waits)
 dspark_worker_cuda_graphs                   gauge      captured draft-step graphs in use (0:
                                                        the eager step)
 dspark_worker_cuda_graph_fallbacks_total    counter    start-up captures or self-checks that
@@ -110,6 +112,7 @@ LATENCY_BUCKETS: Final = (20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3
 _LE: Final = [str(floatToGoString(b)) for b in LATENCY_BUCKETS] + [  # type: ignore[no-untyped-call]
     "+Inf"]
 BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+GC_BUCKETS: Final = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # Samples kept per stage for the STATS quantiles: the last few seconds at full load.
 LATENCY_WINDOW: Final = 2048
 
@@ -223,6 +226,10 @@ class Metrics:
                 self.reloads.labels(what=what, result=result)
         self.batch_steps = Histogram(f"{p}_batch_steps", "STEPs per device batch.",
                                      buckets=BATCH_BUCKETS, registry=r)
+        self.gc_pause = Histogram(f"{p}_gc_pause_seconds",
+                                  "Pauses of the cyclic garbage collector, by generation: the"
+                                  " event loop and the device thread wait for them.",
+                                  ["generation"], buckets=GC_BUCKETS, registry=r)
         self.batch_entries = Histogram(f"{p}_batch_entries",
                                        "Entries drafted per drafter call.",
                                        buckets=BATCH_BUCKETS, registry=r)

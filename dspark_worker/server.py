@@ -62,7 +62,7 @@ from protocol.errors import FrameHeaderError, FrameTooLargeError
 from protocol.framing import Frame, FrameDecoder
 from protocol.header import AppHeader
 
-from .admission import HELLO, OTHER, Gate
+from .admission import HELLO, OTHER, Gate, peer_host
 from .buffers import BufferPool
 from .config import (
     DEFAULT_CONNECTION_IDLE_S,
@@ -145,7 +145,7 @@ class Connection(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple):
             self.peer = f"{peer[0]}:{peer[1]}"
-            self.peer_host = str(peer[0])
+            self.peer_host = self.server.peer_host_of(str(peer[0]))
         else:
             self.peer_host = f"unix:{self.server.unix_path or '?'}"
             self.peer = f"{self.peer_host}#{self.conn_id}"
@@ -500,7 +500,8 @@ class WorkerServer:
                  max_frame_bytes: int, max_connections: int, partial_timeout_s: float,
                  handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
                  connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S,
-                 metrics_address: tuple[str, int] | None = None) -> None:
+                 metrics_address: tuple[str, int] | None = None,
+                 peer_host_of: Callable[[str], str] = peer_host) -> None:
         self.dispatcher = dispatcher
         self.metrics_address = metrics_address
         self.metrics = metrics
@@ -510,6 +511,8 @@ class WorkerServer:
         self.partial_timeout_s = partial_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self.connection_idle_s = connection_idle_s
+        # A TCP peer's address -> the peer host its per-peer limits count under.
+        self.peer_host_of = peer_host_of
         self.connections: dict[int, Connection] = {}
         self.draining = False
         self.unix_path: str | None = None

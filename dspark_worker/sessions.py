@@ -20,6 +20,7 @@ changed) or commits; nothing is half applied.
 from __future__ import annotations
 
 import enum
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,12 @@ RETIRED_PER_NAME = 4
 RETIRED_NAMES_MAX = 4096
 # Sessions bound to one connection at once: a client holds one (a tool or a test a few).
 MAX_SESSIONS_PER_CONNECTION = 4
+# Rows a second per reserved lane below which a session's reservation counts as underused
+# once it has had reservation_idle_s to show its use: an engine drafting for a request adds
+# a row or more per round to its slot, tens of rounds a second, so one at a tenth of its
+# slots is above this; a session that keeps a large reservation alive with a row now and then
+# is far below. Rows are counted over about reservation_idle_s (a decaying average).
+UNDERUSED_ROWS_PER_LANE_S = 1.0
 
 
 class Outcome(str, enum.Enum):
@@ -68,6 +75,7 @@ class DropReason(str, enum.Enum):
     RECREATED = "recreated"  # a reconnect HELLO whose fields differ from the first
     EXPIRED = "expired"  # no frame for session_idle_s
     UNUSED = "unused"  # no STEP for reservation_idle_s, and a HELLO needed its lanes
+    UNDERUSED = "underused"  # fewer rows than UNDERUSED_ROWS_PER_LANE_S, a HELLO needed them
     GOODBYE = "goodbye"  # the client released it (OP_GOODBYE)
     INTERNAL = "internal"  # the worker failed while applying one of its STEPs
     SHUTDOWN = "shutdown"
@@ -92,11 +100,14 @@ class Session:
         "max_slots",
         "n_live",
         "peer",
+        "rate",
+        "rate_at",
         "rows",
         "sampled",
         "session_id",
         "steps",
         "synthetic",
+        "use_since",
         "version",
     )
 
@@ -110,6 +121,9 @@ class Session:
         self.created_at = now
         self.last_active = now
         self.last_step_at = now  # its HELLO, then each STEP: how long its lanes went unused
+        self.use_since = now  # its use is judged from reservation_idle_s after this
+        self.rate = 0.0  # rows a second, a decaying average as of rate_at
+        self.rate_at = now
         self.max_slots = hello.max_slots
         self.sampled = hello.sample_mode == SAMPLE_TOP32
         self.synthetic = bool(hello.flags & HF_SYNTHETIC)  # kept out of acceptance figures
@@ -227,6 +241,8 @@ class SessionTable:
         # A session whose latest STEP (or HELLO, before any) is this old gives its lanes up to
         # a HELLO that cannot fit otherwise (None: never).
         self.reservation_idle_s = reservation_idle_s
+        # How long a session's rows are averaged over (its use, what underused means).
+        self._use_s = reservation_idle_s or 5.0
         # A session that never sent a STEP and whose connection is gone is dropped after this
         # (not idle_s): sessions HELLOed and left behind cannot hold the table for long.
         self.unused_idle_s = idle_s if unused_idle_s is None else min(unused_idle_s, idle_s)
@@ -323,15 +339,20 @@ class SessionTable:
             to_drop += [(s, DropReason.REPLACED) for s in in_use]
             in_use = []
             evict = self._place(hello, conn_id, peer, now, to_drop)
-        to_drop += [(s, DropReason.UNUSED) for s in evict]
+        unused = [s for s in evict if self.unused(s, now)]
+        to_drop += [(s, DropReason.UNUSED if s in unused else DropReason.UNDERUSED)
+                    for s in evict]
         for s, _ in to_drop:
             self._remove(s)
         session = Session(session_id, hello, conn_id, seq, now)
         # Lanes that went unused stay unused until a STEP: a re-created session keeps its
         # first's clock, and one that took an unused reservation's lanes keeps that clock, so
         # a hoarder re-HELLOing for the lanes it just lost holds them no longer than before.
-        for old in ([existing] if existing is not None else []) + evict:
+        for old in ([existing] if existing is not None else []) + unused:
             session.last_step_at = min(session.last_step_at, old.last_step_at)
+        if existing is not None:  # a re-created session is judged on its first's use
+            session.use_since = existing.use_since
+            session.rate, session.rate_at = existing.rate, existing.rate_at
         session.peer = peer
         self._by_id[session_id] = session
         self._retired.pop(session_id, None)
@@ -354,9 +375,12 @@ class SessionTable:
                             field="max_slots_per_connection", value=on_conn + hello.max_slots,
                             limit=self.lanes_per_connection)
         # What does not fit otherwise takes the lanes of reservations left unused (never a
-        # STEP for reservation_idle_s), the longest unused first.
+        # STEP for reservation_idle_s), the longest unused first; then those of underused
+        # ones, the least used first.
         unused = sorted((s for s in stay if self.unused(s, now)),
                         key=lambda s: s.last_step_at)
+        unused += sorted((s for s in stay if not self.unused(s, now)
+                          and self.underused(s, now)), key=lambda s: self.use(s, now))
         evict: dict[int, Session] = {}  # by id, in the order taken
 
         def take(candidates: list[Session], short: Callable[[], bool]) -> None:
@@ -411,6 +435,22 @@ class SessionTable:
         return (self.reservation_idle_s is not None
                 and now - s.last_step_at >= self.reservation_idle_s)
 
+    def use(self, s: Session, now: float) -> float:
+        """Rows ``s`` sent a second per lane it reserved, over about ``reservation_idle_s``."""
+        return s.rate * math.exp((s.rate_at - now) / self._use_s) / s.max_slots
+
+    def underused(self, s: Session, now: float) -> bool:
+        """``s`` had ``reservation_idle_s`` to show its use and sends fewer than
+        UNDERUSED_ROWS_PER_LANE_S rows a second per lane it reserved."""
+        return (self.reservation_idle_s is not None
+                and now - s.use_since >= self.reservation_idle_s
+                and self.use(s, now) < UNDERUSED_ROWS_PER_LANE_S)
+
+    def reclaimable(self, s: Session, now: float) -> bool:
+        """``s`` does not draft in earnest: unused or underused, its lanes (and the version
+        it holds) may go to one who needs them."""
+        return self.unused(s, now) or self.underused(s, now)
+
     # -- frames of a session (7.2 step 2) ---------------------------------------------------------
     def bound(self, session_id: int, conn_id: int, seq: int) -> Session:
         """The session, if held and bound to this connection and seq is above its last.
@@ -448,11 +488,15 @@ class SessionTable:
             if session.alive and self._by_id.get(session.session_id) is session:
                 self._active_slots += delta
         session.last_seq = seq
-        session.last_active = session.last_step_at = now
         session.steps += 1
+        rows = 0
         if slots.size:
-            session.rows += int(plan.n_rows.sum() if plan.steady
-                                else plan.n_rows[plan.apply].sum())
+            rows = int(plan.n_rows.sum() if plan.steady else plan.n_rows[plan.apply].sum())
+            session.rows += rows
+        # the decaying average of rows a second: what was, decayed, and these rows
+        session.rate = (session.rate * math.exp((session.rate_at - now) / self._use_s)
+                        + rows / self._use_s)
+        session.last_active = session.last_step_at = session.rate_at = now
 
     # -- life -------------------------------------------------------------------------------------
     def expire(self, now: float,

@@ -194,7 +194,7 @@ class Versions:
         held = ", ".join(f"version {v.number} {v.name} ({v.sessions} sessions)"
                          for v in self.loaded[:-1])
         return (f"{len(self.loaded)} versions are loaded, the limit (--max-versions"
-                f" {self.max_versions}); {held} still serve sessions pinned to them")
+                f" {self.max_versions}); {held} still serve sessions that draft with them")
 
     def _unload_if_unused(self, version: Version) -> list[Version]:
         if version is self.newest or version.sessions > 0 or not version.loaded:

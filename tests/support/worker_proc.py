@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +178,21 @@ def worker_stats(worker: WorkerProcess) -> dict[str, Any]:
     assert h.status == wire.ST_OK
     result: dict[str, Any] = json.loads(bytes(body))
     return result
+
+
+def reload_to(worker: WorkerProcess, link: Path, target: str | Path,
+              meanwhile: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Point the symlink ``link`` (the worker's --checkpoint) at ``target``, SIGHUP, and call
+    ``meanwhile`` (engine rounds) until the reload is done; its outcome (STATS
+    ``reloads.last``)."""
+    link.unlink()
+    link.symlink_to(target)
+    asked = worker_stats(worker)["reloads"]["asked"]
+    os.kill(worker.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        meanwhile()
+        st = worker_stats(worker)["reloads"]
+        if st["asked"] > asked and not st["running"]:
+            return dict(st["last"])
+    raise AssertionError(f"the reload did not finish: {worker.log_text()[-2000:]}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from dspark_worker.admission import HELLO, OTHER, Gate, TokenBucket
+from dspark_worker.admission import HELLO, OTHER, Gate, TokenBucket, peer_host
 
 
 class Conn:
@@ -110,3 +110,18 @@ def test_the_map_of_peers_stays_bounded() -> None:
         assert len(gate._peers) <= 64 and "keep" in gate._peers
 
     asyncio.run(run())
+
+
+def test_peer_hosts_are_counted_by_what_one_party_holds() -> None:
+    """Every loopback address is the worker's own host; IPv6 counts by /64, IPv4 by its
+    prefix; an IPv4-mapped address as its IPv4 address; a scope id names no other host."""
+    assert {peer_host(a) for a in ("127.0.0.1", "127.8.9.10", "::1", "::ffff:127.0.0.2")} \
+        == {"loopback"}
+    assert peer_host("127.0.0.2", loopback_one=False) == "127.0.0.2"
+    assert peer_host("2001:db8::1") == peer_host("2001:db8::ffff:2") == "2001:db8::/64"
+    assert peer_host("2001:db8:0:1::1") == "2001:db8:0:1::/64"
+    assert peer_host("fe80::1%eth0") == "fe80::/64"
+    assert peer_host("10.1.2.3") == "10.1.2.3" and peer_host("::ffff:10.1.2.3") == "10.1.2.3"
+    assert peer_host("10.1.2.3", v4_prefix=24) == peer_host("10.1.2.200", v4_prefix=24) \
+        == "10.1.2.0/24"
+    assert peer_host("2001:db8::1", v6_prefix=128) == "2001:db8::1"

@@ -51,6 +51,7 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
         "max_rows_per_step = 128",
         "max_sessions = 4", "max_sessions_per_peer = 2", "max_total_slots = 64",
         "max_slots_per_connection = 16", "max_slots_per_peer = 48", "reservation_idle_s = 3",
+        "peer_prefix_v4 = 24", "peer_prefix_v6 = 56", "loopback_one_peer = false",
         "max_connections = 8",
         "max_frame_bytes = 1000000", "max_shm_region_bytes = 0", "max_shm_mapped_bytes = 0",
         "session_idle_s = 10.5",
@@ -66,6 +67,7 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
     assert given == set(WorkerConfig.__struct_fields__)  # the file names every field
     assert c.max_frame_bytes == 1_000_000 and c.metrics_listen == "[::1]:9001"
     assert c.drain_s == 2.5
+    assert (c.peer_prefix_v4, c.peer_prefix_v6, c.loopback_one_peer) == (24, 56, False)
     assert c.max_shm_region_bytes == 0 and c.sessions_per_peer == 2
     assert (c.slots_per_connection, c.slots_per_peer, c.reservation_idle_s) == (16, 48, 3.0)
     assert c.cuda_graphs == "off" and c.dspark_draft_topk == 1024
@@ -81,6 +83,8 @@ def test_every_field_settable_from_file(tmp_path: Path) -> None:
     ("warmup = 1", "warmup", 1),
     ("max_slots = -1", "max_slots", -1),
     ("max_versions = 1", "max_versions", 1),
+    ("peer_prefix_v4 = 33", "peer_prefix_v4", 33),
+    ("peer_prefix_v6 = 0", "peer_prefix_v6", 0),
     ("canary_fraction = 0", "canary_fraction", 0),
     ("canary_fraction = 1.5", "canary_fraction", 1.5),
     ('device = "tpu"', "device", "tpu"),

@@ -15,9 +15,7 @@ each SIGHUP, as an operator would:
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -43,7 +41,7 @@ from tests.support.drafters import (
     perturbed_reference,
 )
 from tests.support.local_drafts import LocalDrafts
-from tests.support.worker_proc import WorkerProcess, start_worker, worker_stats
+from tests.support.worker_proc import WorkerProcess, reload_to, start_worker, worker_stats
 
 W, SLOTS, ROWS = 64, 4, 256
 ARGS = ("--window", str(W), "--max-slots", str(SLOTS), "--max-total-slots", str(4 * SLOTS),
@@ -78,18 +76,7 @@ def reload(w: WorkerProcess, folders: dict[str, Path], target: str,
            meanwhile: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Point ``current`` at ``target``, SIGHUP, and call ``meanwhile`` (engine rounds) until
     the reload is done; its outcome."""
-    link = folders["current"]
-    link.unlink()
-    link.symlink_to(target)
-    asked = worker_stats(w)["reloads"]["asked"]
-    os.kill(w.pid, signal.SIGHUP)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        meanwhile()
-        st = worker_stats(w)["reloads"]
-        if st["asked"] > asked and not st["running"]:
-            return dict(st["last"])
-    raise AssertionError(f"the reload did not finish: {w.log_text()[-2000:]}")
+    return reload_to(w, folders["current"], target, meanwhile)
 
 
 class Engine:

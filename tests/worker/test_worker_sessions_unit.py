@@ -211,8 +211,9 @@ def test_limits_per_connection_and_per_peer_and_the_unused_grace() -> None:
     assert t.get(3) is not None and t.get(4) is not None
 
 
-def _step(t: SessionTable, s: object, seq: int, now: float) -> None:
+def _step(t: SessionTable, s: object, seq: int, now: float, rows: int = 0) -> None:
     e = entries((0, 1, RF_NEED_DRAFT))
+    e["n_rows"] = rows
     t.commit_step(s, plan_step(s, e), e, seq, now)  # type: ignore[arg-type]
 
 
@@ -242,7 +243,8 @@ def test_a_reservation_without_a_step_gives_its_lanes_to_a_hello_that_needs_them
     t = SessionTable(max_sessions=16, lane_capacity=16, idle_s=600, reservation_idle_s=10)
     hoard = t.hello(1, 1, hello(8), conn_id=1, now=0, peer="h").session
     used = t.hello(2, 1, hello(8), conn_id=2, now=0, peer="h").session
-    _step(t, used, 2, 9.0)
+    for i in range(3):  # 96 rows in 10 s over 8 lanes: used, not underused
+        _step(t, used, 2 + i, 9.0 + i / 10, rows=32)
     t.touch(hoard, 2, 9.5)  # a PING: the lanes are no more used for it
     with pytest.raises(BusyError, match="sessions from h hold 16"):
         t.hello(3, 1, hello(8), conn_id=3, now=9.9, peer="h")  # not unused for 10 s yet
@@ -261,6 +263,33 @@ def test_a_reservation_without_a_step_gives_its_lanes_to_a_hello_that_needs_them
     assert r.session.last_step_at == 0
     _step(t, r.session, 2, 10.5)
     assert r.session.last_step_at == 10.5
+
+
+def test_a_reservation_kept_alive_by_a_row_now_and_then_gives_way_least_used_first() -> None:
+    """A session that STEPs a row a second over 8 lanes is underused (under one row a second
+    per lane, once it had reservation_idle_s to show its use) and gives its lanes to a HELLO
+    that needs them, the least used first; a busy one and one still new keep theirs."""
+    t = SessionTable(max_sessions=16, lane_capacity=24, idle_s=600, reservation_idle_s=2)
+    trickle = t.hello(1, 1, hello(8), conn_id=1, now=0, peer="h").session
+    trickle2 = t.hello(2, 1, hello(8), conn_id=2, now=0, peer="h").session
+    busy = t.hello(3, 1, hello(8), conn_id=3, now=0, peer="h").session
+    for i in range(40):  # 4 s: a row a second each for the trickles, 80 a second for busy
+        now = i / 10
+        if i % 10 == 0:
+            _step(t, trickle, 2 + i, now, rows=1)
+            _step(t, trickle2, 2 + i, now, rows=2)
+        _step(t, busy, 2 + i, now, rows=8)
+    assert t.underused(trickle, 4.0) and not t.underused(busy, 4.0)
+    assert t.use(trickle, 4.0) < t.use(trickle2, 4.0) < 1.0 < t.use(busy, 4.0)
+    r = t.hello(4, 1, hello(8), conn_id=4, now=4.0, peer="h")
+    assert r.dropped == [(trickle, DropReason.UNDERUSED)] and trickle2.alive and busy.alive
+    assert r.session.last_step_at == 4.0  # not the evicted one's clock: judged on its own
+    # the newcomer has reservation_idle_s to show its use: the next HELLO takes trickle2's
+    r = t.hello(5, 1, hello(8), conn_id=5, now=4.5, peer="h")
+    assert r.dropped == [(trickle2, DropReason.UNDERUSED)]
+    with pytest.raises(BusyError):  # busy and the two new ones stay
+        t.hello(6, 1, hello(8), conn_id=6, now=5.0, peer="h")
+    assert not t.reclaimable(busy, 5.0)
 
 
 def test_a_client_name_held_on_another_host_is_kept_and_a_stopped_predecessor_gives_way(
