@@ -31,7 +31,6 @@ target's graph replay, as the runner calls every speculator.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,7 +38,7 @@ import torch
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
 from dspark_client.acceptance import record_verified
-from dspark_client.adapter.device import RoundTensors, TapRowGather
+from dspark_client.adapter.device import RoundTensors, TapRowGather, client_tag
 from dspark_client.adapter.engine import GuardedRounds, fill_round, start_rounds
 from dspark_client.adapter.options import default_client_name, parse_options
 from dspark_client.adapter.slots import NO_SLOT, SlotTable
@@ -68,18 +67,6 @@ def tp_group() -> Any:
         return None
     group = get_tp_group()
     return group if group.world_size > 1 else None
-
-
-def _client_tag(device: torch.device, data_parallel_rank: int) -> str:
-    """What tells this engine's rank 0 from another engine's on the same host, stable across
-    restarts: the physical GPU it runs on (two engines never share one), else its
-    data-parallel rank."""
-    if device.type != "cuda" or device.index is None:
-        return f"dp{data_parallel_rank}"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    physical = visible[device.index].strip() if device.index < len(visible) and \
-        visible[device.index].strip() else str(device.index)
-    return f"gpu{physical}"
 
 
 class RemoteDSparkSpeculator(BaseSpeculator):
@@ -117,7 +104,7 @@ class RemoteDSparkSpeculator(BaseSpeculator):
         opts = parse_options(spec.speculator_options)
         max_slots = min(opts.max_slots or self.max_num_reqs, self.max_num_reqs)
         name = opts.client_name or default_client_name(
-            _client_tag(device, vllm_config.parallel_config.data_parallel_rank))
+            client_tag(device, vllm_config.parallel_config.data_parallel_rank))
         hello = hello_for(spec, max_slots=max_slots, client_name=name)
         # GOODBYE when the runner drops the speculator
         self.rounds = start_rounds(opts.remote, hello, owner=self, log=log)

@@ -4,13 +4,26 @@ device buffers each round's drafts and confidences are broadcast in and read fro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["RoundTensors", "TapRowGather"]
+__all__ = ["RoundTensors", "TapRowGather", "client_tag"]
+
+
+def client_tag(device: torch.device, data_parallel_rank: int) -> str:
+    """What tells this engine's rank 0 from another engine's on the same host, stable across
+    restarts: the physical GPU it runs on (two engines never share one), else its
+    data-parallel rank."""
+    if device.type != "cuda" or device.index is None:
+        return f"dp{data_parallel_rank}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    physical = visible[device.index].strip() if device.index < len(visible) and \
+        visible[device.index].strip() else str(device.index)
+    return f"gpu{physical}"
 
 
 class TapRowGather:

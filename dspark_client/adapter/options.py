@@ -62,34 +62,36 @@ class RemoteDSparkOptions(msgspec.Struct, frozen=True, kw_only=True):
     target_checkpoint: str | None = None
 
 
-def _refuse(key: str, value: object, why: str) -> ValueError:
-    return ValueError(f"{_WHERE}.{key} = {value!r}: {why}")
+def _refuse(where: str, key: str, value: object, why: str) -> ValueError:
+    return ValueError(f"{where}.{key} = {value!r}: {why}")
 
 
-def _int(raw: dict[str, Any], key: str, low: int, high: int | None = None) -> int | None:
+def _int(raw: dict[str, Any], key: str, low: int, high: int | None = None, *,
+         where: str) -> int | None:
     value = raw.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _refuse(key, value, "must be an integer")
+        raise _refuse(where, key, value, "must be an integer")
     if value < low or (high is not None and value > high):
-        raise _refuse(key, value, f"must be in [{low}, {high}]" if high is not None
+        raise _refuse(where, key, value, f"must be in [{low}, {high}]" if high is not None
                       else f"must be at least {low}")
     return value
 
 
-def parse_options(raw: Any) -> RemoteDSparkOptions:
+def parse_options(raw: Any, *, where: str = _WHERE) -> RemoteDSparkOptions:
     """``speculator_options`` (a dict, or None for every default) checked: an unknown key, a
-    value of the wrong type or out of range is a ValueError naming the key and the value."""
+    value of the wrong type or out of range is a ValueError naming the key and the value, as
+    an option of ``where`` (where the engine's user gives them)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ValueError(f"{_WHERE} must be a JSON object, got {type(raw).__name__}")
+        raise ValueError(f"{where} must be a JSON object, got {type(raw).__name__}")
     unknown = sorted(set(raw) - CLIENT_KEYS - HELLO_KEYS)
     if unknown:
         hint = (" (give the secret in a file: auth_secret_file)" if "auth_secret" in unknown
                 else "")
-        raise ValueError(f"{_WHERE}: unknown option {unknown[0]!r}{hint}; the options are "
+        raise ValueError(f"{where}: unknown option {unknown[0]!r}{hint}; the options are "
                          f"{', '.join(sorted(CLIENT_KEYS | HELLO_KEYS))}")
     client = {k: v for k, v in raw.items() if k in CLIENT_KEYS}
     try:
@@ -98,37 +100,37 @@ def parse_options(raw: Any) -> RemoteDSparkOptions:
         # RemoteConfig's own words ("RemoteConfig.timeout_ms = -1.0: ...", or msgspec's
         # "... - at `$.timeout_ms`" for a wrong type), named as the option they came from
         why = str(exc).removeprefix("RemoteConfig: ")
-        raise ValueError(f"{_WHERE}.{why.removeprefix('RemoteConfig.')}"
-                         if why.startswith("RemoteConfig.") else f"{_WHERE}: {why}") from None
-    window = _int(raw, "window", 1, MAX_WINDOW)
-    max_slots = _int(raw, "max_slots", 1)
-    rows = _int(raw, "max_rows_per_step", 1)
+        raise ValueError(f"{where}.{why.removeprefix('RemoteConfig.')}"
+                         if why.startswith("RemoteConfig.") else f"{where}: {why}") from None
+    window = _int(raw, "window", 1, MAX_WINDOW, where=where)
+    max_slots = _int(raw, "max_slots", 1, where=where)
+    rows = _int(raw, "max_rows_per_step", 1, where=where)
     if rows is not None and rows < (window or DEFAULT_WINDOW):
-        raise _refuse("max_rows_per_step", rows,
+        raise _refuse(where, "max_rows_per_step", rows,
                       f"must be at least the window ({window or DEFAULT_WINDOW}): one slot's"
                       " resync is W rows")
     name = raw.get("client_name")
     if name is not None:
         if not isinstance(name, str) or not name:
-            raise _refuse("client_name", name, "must be a non-empty string")
+            raise _refuse(where, "client_name", name, "must be a non-empty string")
         try:
             encode_name(name, "client_name")  # the HELLO's own rule: 32 bytes, no NUL
         except wire.WireError as exc:
             why = str(exc).removeprefix(f"client_name {name!r} ")
-            raise _refuse("client_name", name, why) from None
+            raise _refuse(where, "client_name", name, why) from None
     target = raw.get("target_checkpoint")
     if target is not None and (not isinstance(target, str) or not target):
-        raise _refuse("target_checkpoint", target, "must be a path")
+        raise _refuse(where, "target_checkpoint", target, "must be a path")
     return RemoteDSparkOptions(remote=remote, window=window or DEFAULT_WINDOW,
                                max_slots=max_slots, max_rows_per_step=rows, client_name=name,
                                target_checkpoint=target)
 
 
-def default_client_name(tag: str, host: str | None = None) -> str:
-    """``vllm-<tag>@<host>``: stable across restarts of this engine instance (contract 1) and
-    distinct per engine on a host (``tag``: what tells them apart); the host name is cut to fit
-    the wire's 32 bytes."""
-    prefix = f"vllm-{tag}@"
+def default_client_name(tag: str, host: str | None = None, *, engine: str = "vllm") -> str:
+    """``<engine>-<tag>@<host>``: stable across restarts of this engine instance (contract 1)
+    and distinct per engine on a host (``tag``: what tells them apart); the host name is cut to
+    fit the wire's 32 bytes."""
+    prefix = f"{engine}-{tag}@"
     host = host if host is not None else socket.gethostname()
     room = NAME_BYTES - len(prefix.encode("utf-8"))
     raw = host.encode("utf-8")[:max(room, 0)]
@@ -154,7 +156,8 @@ def _has_weights(drafter: Path) -> bool:
 def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: int,
                   client_name: str, target_hidden_size: int, draft_topk: int | None = None,
                   target_checkpoint: str | Path | None = None,
-                  identities_needed: bool = True) -> wire.Hello:
+                  identities_needed: bool = True, where: str = _WHERE,
+                  folder: str = "remote_dspark's model") -> wire.Hello:
     """The HELLO for the drafter folder ``drafter`` on this host: geometry from its
     ``config.json``; identities from its weights (or a current ``dspark_identity.json`` beside
     them), else from the ``dspark_identity.json`` alone. The hidden size is the served
@@ -165,7 +168,7 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
     refused)."""
     path = Path(drafter)
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path}: no config.json; remote_dspark's model is the drafter's"
+        raise ValueError(f"{path}: no config.json; {folder} is the drafter's"
                          " folder on this host (its config.json, and its weights or the"
                          f" {IDENTITY_FILE} the worker writes beside them)")
     none = (bytes(IDENTITY_BYTES), bytes(IDENTITY_BYTES))
@@ -178,7 +181,7 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
             raise ValueError(f"{path}: neither the drafter's weights (*.safetensors) nor the"
                              f" {IDENTITY_FILE} the worker writes beside them; copy one of"
                              " them next to config.json (the HELLO carries the identities),"
-                             " or set speculator_options.follow_drafter to draft with"
+                             f" or set {where}.follow_drafter to draft with"
                              " whichever drafter of this geometry the worker serves")
     elif not identities_needed:
         identities = none
