@@ -123,7 +123,7 @@ class RemoteDrafts:
                             np.asarray(batch.prefix_lens, np.int64),
                             np.asarray(batch.extend_lens, np.int64))
         return PrefillPlacement(cache_loc=positions, positions=positions, state_slot=None,
-                                final_pos=None)
+                                final_pos=None, swa_loc=None)
 
     def inject_prefill(self, placement: PrefillPlacement, *, target_hidden: torch.Tensor,
                        token_indices: torch.Tensor | None,
