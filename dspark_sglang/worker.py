@@ -347,7 +347,8 @@ class RemoteDSparkWorker(DSparkWorkerV2):
         rounds = slots = None
         window = opts.window
         if tp_rank == 0:
-            max_slots = min(opts.max_slots or max_rows, max_rows)
+            # (row 0 of SGLang's table is never a request's: pool.size rows are)
+            max_slots = min(opts.max_slots or int(pool.size), int(pool.size))
             name = opts.client_name or default_client_name(
                 client_tag(torch.device(self.device),
                            int(getattr(server_args, "dp_rank", None) or 0)), engine="sglang")

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,35 +40,7 @@ if HAVE_VLLM:
         import vllm.v1.worker.gpu.input_batch
         import vllm.v1.worker.gpu.spec_decode.speculator  # noqa: F401
 
-REFERENCE = _ROOT / "dspark_worker" / "drafter" / "reference"
+# The fixtures, by name (shared with tests/sglang).
+from tests.support.engine_plugin import drafter_dirs, reference_copy, worker  # noqa: E402
 
-
-@pytest.fixture(scope="session")
-def reference_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reference drafter (config.json and weights) in a folder the worker may write to."""
-    full = tmp_path_factory.mktemp("drafter") / "full"
-    shutil.copytree(REFERENCE, full, ignore=shutil.ignore_patterns("dspark_identity.json"))
-    return full
-
-
-@pytest.fixture(scope="session")
-def worker(reference_copy: Path) -> Iterator[object]:
-    """A real dspark-worker serving the reference drafter from ``reference_copy`` at W = 16
-    (it writes dspark_identity.json there as it loads it)."""
-    from tests.support.worker_proc import start_worker
-
-    with start_worker("--checkpoint", str(reference_copy), "--device", "cpu", "--window", "16",
-                      "--max-slots", "16", "--max-total-slots", "48") as w:
-        yield w
-
-
-@pytest.fixture(scope="session")
-def drafter_dirs(worker: object, reference_copy: Path) -> dict[str, Path]:
-    """The reference drafter in two forms: ``full`` (config.json and weights, as the worker
-    loads them) and ``host`` (what an engine host needs: config.json and the
-    dspark_identity.json the worker wrote)."""
-    host = reference_copy.parent / "host"
-    host.mkdir(exist_ok=True)
-    for name in ("config.json", "dspark_identity.json"):
-        shutil.copy(reference_copy / name, host / name)
-    return {"full": reference_copy, "host": host}
+__all__ = ["drafter_dirs", "reference_copy", "worker"]

@@ -17,12 +17,12 @@ from vllm_engine import (
     CPU,
     Engine,
     model_config,
-    reference_rounds,
     speculative_config,
     target_folder,
     vllm_config,
 )
 
+from tests.support.engine_plugin import reference_rounds
 from tests.support.worker_proc import start_worker, worker_stats
 
 K, W, MAX_REQS = 7, 16, 6
