@@ -102,11 +102,15 @@ def test_client_and_worker_never_import_each_other(package: str, other: str) -> 
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-@pytest.mark.parametrize("package", ["dspark_client", "dspark_worker"])
-def test_nothing_imports_the_vllm_plugin(package: str) -> None:
-    """``dspark_vllm`` is imported only inside vLLM (its plugin loader)."""
+@pytest.mark.parametrize(("plugin", "package"), [
+    ("dspark_vllm", "dspark_client"), ("dspark_vllm", "dspark_worker"),
+    ("dspark_vllm", "dspark_sglang"), ("dspark_sglang", "dspark_client"),
+    ("dspark_sglang", "dspark_worker"), ("dspark_sglang", "dspark_vllm")])
+def test_nothing_imports_an_engine_plugin(plugin: str, package: str) -> None:
+    """``dspark_vllm`` and ``dspark_sglang`` are imported only inside their engines (their
+    plugin loaders)."""
     offenders = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p)
-                                                  if m.split(".")[0] == "dspark_vllm")
+                                                  if m.split(".")[0] == plugin)
                  for p in sources(package)}
     assert {k: v for k, v in offenders.items() if v} == {}
 
@@ -122,15 +126,6 @@ def test_the_vllm_plugin_builds_on_the_client_never_the_worker() -> None:
     modules = imported_modules(ROOT / "dspark_vllm" / "config.py")
     assert not {m for m in modules if m.startswith("dspark_vllm.speculator")}
     assert "torch" not in top_level(modules)
-
-
-@pytest.mark.parametrize("package", ["dspark_client", "dspark_worker", "dspark_vllm"])
-def test_nothing_imports_the_sglang_plugin(package: str) -> None:
-    """``dspark_sglang`` is imported only inside SGLang (its plugin loader)."""
-    offenders = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p)
-                                                  if m.split(".")[0] == "dspark_sglang")
-                 for p in sources(package)}
-    assert {k: v for k, v in offenders.items() if v} == {}
 
 
 def test_the_sglang_plugin_builds_on_the_client_never_the_worker() -> None:

@@ -8,8 +8,6 @@ not import is an error, not a skip.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -22,13 +20,15 @@ for _path in (str(_HERE), str(_ROOT)):  # this folder's helpers by name, and tes
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-# (An installed SGLang: where none is, "sglang" resolves to this folder as a namespace package
-# once tests/ is on sys.path, a spec without an origin.)
-_SGLANG = importlib.util.find_spec("sglang")
-HAVE_SGLANG = _SGLANG is not None and _SGLANG.origin is not None
-if not HAVE_SGLANG and os.environ.get("DSPARK_REQUIRE_SGLANG") == "1":
-    raise pytest.UsageError("DSPARK_REQUIRE_SGLANG=1 but sglang is not importable in "
-                            f"{sys.executable}")
+# The shared fixtures, by name (tests/vllm and tests/sglang use the same ones).
+from tests.support.engine_plugin import (  # noqa: E402
+    drafter_dirs,
+    engine_installed,
+    reference_copy,
+    worker,
+)
+
+HAVE_SGLANG = engine_installed("sglang", "DSPARK_REQUIRE_SGLANG")
 collect_ignore_glob = [] if HAVE_SGLANG else ["test_*.py"]
 if HAVE_SGLANG:
     import torchvision_stub
@@ -44,8 +44,6 @@ if HAVE_SGLANG:
         import sglang.srt.speculative.dspark_components.dspark_worker_v2
         import sglang.srt.speculative.spec_info  # noqa: F401
 
-# The fixtures, by name (shared with tests/vllm).
-from tests.support.engine_plugin import drafter_dirs, reference_copy, worker  # noqa: E402
 
 __all__ = ["drafter_dirs", "reference_copy", "worker"]
 

@@ -7,7 +7,10 @@ drafter_dirs, reference_copy, worker``)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +21,23 @@ from dspark_client.config import RemoteConfig
 from dspark_client.hello import hello_from_checkpoint
 from dspark_client.rounds import DraftRounds
 
-__all__ = ["REFERENCE", "drafter_dirs", "reference_copy", "reference_rounds", "worker"]
+__all__ = ["REFERENCE", "drafter_dirs", "engine_installed", "reference_copy", "reference_rounds",
+           "worker"]
 
 REFERENCE = Path(__file__).resolve().parents[2] / "dspark_worker" / "drafter" / "reference"
+
+
+def engine_installed(module: str, require_env: str) -> bool:
+    """Whether the engine ``module`` is installed; where ``require_env`` is "1" its absence
+    is an error, not a skip. (Where it is not installed, its name still resolves to the test
+    folder of the same name as a namespace package once tests/ is on sys.path: a spec without
+    an origin.)"""
+    spec = importlib.util.find_spec(module)
+    found = spec is not None and spec.origin is not None
+    if not found and os.environ.get(require_env) == "1":
+        raise pytest.UsageError(f"{require_env}=1 but {module} is not importable in"
+                                f" {sys.executable}")
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,9 @@ is an error, not a skip.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 import warnings
 from pathlib import Path
-
-import pytest
 
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parents[1]
@@ -22,13 +18,15 @@ for _path in (str(_HERE), str(_ROOT)):  # this folder's helpers by name, and tes
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-# (An installed vLLM: where none is, "vllm" still resolves to this folder as a namespace
-# package once tests/ is on sys.path, a spec without an origin.)
-_VLLM = importlib.util.find_spec("vllm")
-HAVE_VLLM = _VLLM is not None and _VLLM.origin is not None
-if not HAVE_VLLM and os.environ.get("DSPARK_REQUIRE_VLLM") == "1":
-    raise pytest.UsageError("DSPARK_REQUIRE_VLLM=1 but vllm is not importable in "
-                            f"{sys.executable}")
+# The shared fixtures, by name (tests/vllm and tests/sglang use the same ones).
+from tests.support.engine_plugin import (  # noqa: E402
+    drafter_dirs,
+    engine_installed,
+    reference_copy,
+    worker,
+)
+
+HAVE_VLLM = engine_installed("vllm", "DSPARK_REQUIRE_VLLM")
 collect_ignore_glob = [] if HAVE_VLLM else ["test_*.py"]
 if HAVE_VLLM:
     # vLLM's modules, imported once here, where their import-time deprecation warnings (torch's
@@ -40,7 +38,5 @@ if HAVE_VLLM:
         import vllm.v1.worker.gpu.input_batch
         import vllm.v1.worker.gpu.spec_decode.speculator  # noqa: F401
 
-# The fixtures, by name (shared with tests/sglang).
-from tests.support.engine_plugin import drafter_dirs, reference_copy, worker  # noqa: E402
 
 __all__ = ["drafter_dirs", "reference_copy", "worker"]
