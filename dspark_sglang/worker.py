@@ -137,14 +137,26 @@ class RemoteDrafts:
         if target_hidden_is_projected:
             raise RuntimeError("the target projected its hidden states for a local drafter;"
                                " the remote drafter needs the tap rows as captured")
-        if token_indices is not None:
-            # the hidden rows are these token indices of the batch: back in token order
-            full = torch.empty((int(extend.sum()), target_hidden.shape[1]),
-                               dtype=target_hidden.dtype, device=target_hidden.device)
-            full[token_indices.to(torch.int64)] = target_hidden
-            target_hidden = full
         starts = np.cumsum(extend) - extend
-        self._catch(target_hidden, rows, generation, prefix, starts, extend)
+        if token_indices is None:
+            self._catch(target_hidden, rows, generation, prefix, starts, extend)
+            return
+        # Hidden row k is the batch's token token_indices[k] (SGLang kept only those): per
+        # request, the rows of the selected tokens that run up to its last token.
+        idx = token_indices.to("cpu", torch.int64).numpy()
+        ends = starts + extend
+        owner = np.searchsorted(ends, idx, side="right")
+        begin = np.zeros_like(extend)
+        count = np.zeros_like(extend)
+        for i in range(len(rows)):
+            mine = np.flatnonzero(owner == i)
+            tokens = idx[mine]
+            run = 0
+            while run < len(tokens) and tokens[-1 - run] == ends[i] - 1 - run:
+                run += 1
+            begin[i] = mine[len(mine) - run] if run else 0
+            count[i] = run
+        self._catch(target_hidden, rows, generation, prefix + extend - count, begin, count)
 
     def catch_verify(self, batch: Any, hidden: torch.Tensor, commit_lens: torch.Tensor,
                      bs: int) -> None:

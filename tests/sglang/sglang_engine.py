@@ -142,10 +142,13 @@ class Engine:
 
     # -- the scheduler's calls --------------------------------------------------------------------
     def prefill(self, prompts: dict[str, int], *, cached: dict[str, int] | None = None,
-                rows: dict[str, int] | None = None) -> None:
+                rows: dict[str, int] | None = None, last: dict[str, int] | None = None
+                ) -> None:
         """New requests (rid: prompt length), ``cached`` tokens of each a prefix-cache hit
-        (no hidden states for them); ``rows`` puts a request on a given free row."""
-        cached = cached or {}
+        (no hidden states for them); ``rows`` puts a request on a given free row; ``last``:
+        the target keeps the hidden states of only these many last tokens of a request
+        (``hidden_states_token_indices``)."""
+        cached, last = cached or {}, last or {}
         new = []
         for rid, n in prompts.items():
             if rows and rid in rows:
@@ -161,14 +164,17 @@ class Engine:
             reqs=[SimpleNamespace(rid=r.rid) for r in new])
         placement = self.worker._kv_injector.place_prefill(batch)
         hidden = self._hidden(sum(extend))
-        self.worker._kv_injector.inject_prefill(placement, target_hidden=hidden,
-                                                token_indices=None,
-                                                target_hidden_is_projected=False)
+        keep = np.concatenate([np.arange(at + n - last.get(r.rid, n), at + n) for r, n, at in
+                               zip(new, extend, np.cumsum(extend) - extend, strict=True)])
+        selected = None if not last else torch.from_numpy(keep)
+        self.worker._kv_injector.inject_prefill(
+            placement, target_hidden=hidden if selected is None else hidden[selected],
+            token_indices=selected, target_hidden_is_projected=False)
         host = self._drafter_rows(hidden)
         at = 0
         for r, n in zip(new, extend, strict=True):
             self.reqs[r.rid] = r
-            self._ref_rows[r.rid] = host[at:at + n]
+            self._ref_rows[r.rid] = host[at + n - last.get(r.rid, n):at + n]
             at += n
             self._ref_new(r.rid)
 

@@ -91,6 +91,9 @@ def test_drafts_equal_the_workers_through_draft_rounds(worker: Any,
         same(step)
         assert slot_a not in wk._proposer.slots.release and step.confidence.all()
         same(eng.decode())
+        # a prefill whose target kept the hidden states of e's last 5 tokens only
+        eng.prefill({"e": 11, "f": 6}, last={"e": 5})
+        same(eng.decode({"e": 3}))
         # b leaves the batch without finishing (SGLang retracted it): its slot goes back
         slot_b = wk._proposer.slots.of_index[eng.reqs["b"].row]
         eng.reqs.pop("b")
