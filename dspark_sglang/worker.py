@@ -58,7 +58,8 @@ from dspark_client.adapter.slots import NO_SLOT, SlotTable
 from dspark_client.hello import tap_layers
 from dspark_client.rounds import DraftRounds
 
-from .algo import OPTIONS_ENV, drafter_confidence, options_from_env
+from . import OPTIONS_ENV
+from .algo import drafter_confidence, options_from_env
 
 __all__ = ["RemoteDSparkWorker", "RemoteDrafts"]
 
@@ -178,8 +179,10 @@ class RemoteDrafts:
         ``first[i]`` on: the newest W of them onto its pending rows, on the host."""
         keep = np.minimum(count, self.window)
         skip = count - keep
-        taps = hidden.split(self.hidden, dim=1)
+        taps = torch.split(hidden, self.hidden, dim=1)
         host = self._gather.gather([taps[j] for j in self._order], begin + skip, keep)
+        if host is None:
+            return
         at = 0
         for i, row in enumerate(rows.tolist()):
             n = int(keep[i])
@@ -247,7 +250,7 @@ class RemoteDrafts:
                                 (table.of_index[rows] == NO_SLOT)).tolist():
             table.add(int(rows[i]))
             self._seen[rows[i]] = generation[i]
-        slots = table.of_index[rows]
+        slots: np.ndarray = table.of_index[rows]
         table.name(slots, rids)
         now = set(slots[slots != NO_SLOT].tolist())
         for slot in self._decoding - now:
