@@ -76,11 +76,13 @@ def publish(args: Any) -> None:
 def stand_in_target(hidden: int, rows: int = 8, context: int = 256) -> Any:
     """The target worker as the DSpark worker reads it, with SGLang's request table."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     pool = ReqToTokenPool(size=rows, max_context_len=context, device="cpu",
                           enable_memory_saver=False)
     runner = SimpleNamespace(
         req_to_token_pool=pool, attn_backend=None, model=None,
+        spec_algorithm=SpeculativeAlgorithm.from_string("REMOTE_DSPARK"),
         model_config=SimpleNamespace(hidden_size=hidden,
                                      hf_text_config=SimpleNamespace(model_type="qwen3")))
     return SimpleNamespace(model_runner=runner, device="cpu", random_seed=0)

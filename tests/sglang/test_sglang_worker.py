@@ -50,7 +50,11 @@ def test_the_worker_has_no_draft_model_kv_or_graphs(worker: Any, drafter_dirs: d
     try:
         assert wk.gamma == GAMMA and wk.verify_num_draft_tokens == GAMMA + 1
         assert wk._draft_worker is None and wk.weight_update_runners() == []
-        assert not hasattr(wk, "draft_model_runner") or wk.draft_model_runner is None
+        # what SGLang's scheduler asks of its speculative worker at start
+        assert wk.weight_load_time == 0.0 and wk.preloaded_weights_bytes == 0
+        assert wk._draft_model_runners() == () and wk.primary_draft_kv_pool is None
+        assert wk.draft_parallel_layout is None and wk.draft_swa_window == 0
+        assert wk.spec_v2_attn_backends == (None,)  # the target's alone
         wk.alloc_memory_pool()
         wk.init_attention_backends()
         wk.init_cuda_graphs()
