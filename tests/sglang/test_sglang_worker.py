@@ -158,3 +158,39 @@ def test_a_silent_or_dead_worker_gives_empty_drafts_within_the_timeout(
                 assert time.monotonic() - t0 < TIMEOUT_MS / 1000 + 0.5
         finally:
             wk._proposer.rounds.client.close()
+
+
+@pytest.mark.slow  # two processes that import SGLang: 80 s on a busy 2-core machine
+def test_tensor_parallel_ranks_share_rank_0s_drafts(worker: Any, drafter_dirs: dict[str, Path],
+                                                    target_dir: Path, tmp_path: Path) -> None:
+    """Two ranks of a TP-2 engine in SGLang's own process groups (gloo on the CPU): only rank
+    0 has a client, and every step both ranks hold rank 0's drafts and confidences, and
+    SGLang's accept (its TP sync included) commits the same on both."""
+    import subprocess
+    import sys
+
+    from tests.client.real_engine import free_port
+
+    port = str(free_port())
+    script = Path(__file__).with_name("tp_rank.py")
+    outs = [tmp_path / f"rank{r}.npz" for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, worker.endpoint,
+                               str(drafter_dirs["host"]), str(target_dir), str(outs[r])],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=180)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:  # one rank failing leaves the other waiting for it: end both
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {r}:\n{log[-3000:]}"
+    rank0, rank1 = (np.load(o) for o in outs)
+    assert bool(rank0["driver"]) and not bool(rank1["driver"])
+    assert rank0["confidence"].all(), "rank 0 drafted nothing"
+    assert np.array_equal(rank0["drafts"], rank1["drafts"])
+    assert np.array_equal(rank0["confidence"].view(np.int32), rank1["confidence"].view(np.int32))
+    assert np.array_equal(rank0["commit"], rank1["commit"])
+    assert int(rank0["rounds"]) == 3 and int(rank1["rounds"]) == 0
