@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from sglang_engine import Engine, publish, server_args, stand_in_target
 
-from tests.support.engine_plugin import reference_rounds
+from tests.support.engine_plugin import reference_rounds, run_ranks
 from tests.support.worker_proc import start_worker
 
 W, GAMMA, TIMEOUT_MS = 16, 7, 300
@@ -166,7 +166,6 @@ def test_tensor_parallel_ranks_share_rank_0s_drafts(worker: Any, drafter_dirs: d
     """Two ranks of a TP-2 engine in SGLang's own process groups (gloo on the CPU): only rank
     0 has a client, and every step both ranks hold rank 0's drafts and confidences, and
     SGLang's accept (its TP sync included) commits the same on both."""
-    import subprocess
     import sys
 
     from tests.client.real_engine import free_port
@@ -174,19 +173,9 @@ def test_tensor_parallel_ranks_share_rank_0s_drafts(worker: Any, drafter_dirs: d
     port = str(free_port())
     script = Path(__file__).with_name("tp_rank.py")
     outs = [tmp_path / f"rank{r}.npz" for r in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, worker.endpoint,
-                               str(drafter_dirs["host"]), str(target_dir), str(outs[r])],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in (0, 1)]
-    try:
-        logs = [p.communicate(timeout=180)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:  # one rank failing leaves the other waiting for it: end both
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {r}:\n{log[-3000:]}"
+    run_ranks([[sys.executable, str(script), str(r), port, worker.endpoint,
+                str(drafter_dirs["host"]), str(target_dir), str(outs[r])] for r in (0, 1)],
+              timeout=180)
     rank0, rank1 = (np.load(o) for o in outs)
     assert bool(rank0["driver"]) and not bool(rank1["driver"])
     assert rank0["confidence"].all(), "rank 0 drafted nothing"

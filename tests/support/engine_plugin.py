@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from dspark_client.hello import hello_from_checkpoint
 from dspark_client.rounds import DraftRounds
 
 __all__ = ["REFERENCE", "drafter_dirs", "engine_installed", "reference_copy", "reference_rounds",
-           "worker"]
+           "run_ranks", "worker"]
 
 REFERENCE = Path(__file__).resolve().parents[2] / "dspark_worker" / "drafter" / "reference"
 
@@ -80,3 +81,19 @@ def reference_rounds(drafter: Path, endpoint: str, *, window: int, max_slots: in
     if not client.wait_ready(30):
         raise RuntimeError(f"the reference session found no worker: {client.last_error}")
     return DraftRounds(client)
+
+
+def run_ranks(commands: list[list[str]], timeout: float) -> None:
+    """Run the ranks of a tensor-parallel engine, one process each, to the end; a rank that
+    fails fails the test with its log (one failing leaves the others waiting: all are ended)."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for cmd in commands]
+    try:
+        logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {r}:\n{log[-3000:]}"
