@@ -85,8 +85,10 @@ class RemoteDrafts:
 
     def __init__(self, *, gamma: int, max_rows: int, taps: list[int], hidden: int,
                  device: torch.device, rounds: DraftRounds | None, slots: SlotTable | None,
-                 window: int, req_generation: torch.Tensor, tp_group: Any) -> None:
+                 window: int, req_generation: torch.Tensor, tp_group: Any,
+                 confidence: bool = True) -> None:
         self.gamma = self.query_token_num = gamma
+        self.confidence = confidence  # (False: a drafter without a confidence head)
         self.device = torch.device(device)
         self.rounds = rounds
         self.slots = slots
@@ -214,7 +216,8 @@ class RemoteDrafts:
                                  corrected_logits=None, greedy_mask=params.greedy_mask,
                                  temperatures=params.temperatures, greedy_draft=True)
         return DraftProposal(draft_block_ids=bonus.view(bs, 1).to(torch.int64),
-                             draft_block=block, confidence=self._out.confidence[:bs])
+                             draft_block=block,
+                             confidence=self._out.confidence[:bs] if self.confidence else None)
 
     def _round(self, out: np.ndarray, batch: Any, bonus: torch.Tensor, bs: int) -> None:
         assert self.rounds is not None and self.slots is not None  # (the driver's)
@@ -332,7 +335,7 @@ class RemoteDSparkWorker(DSparkWorkerV2):
         drafter = server_args.speculative_draft_model_path
         has_confidence = drafter_confidence(drafter)
         self._proposer = self._kv_injector = self._remote_drafts(
-            server_args, drafter, runner, parallel_rank)
+            server_args, drafter, runner, parallel_rank, has_confidence)
         # The planner asks its drafter for a confidence head: a stand-in with none when the
         # drafter's config.json has none (SGLang's static verify mode, the default).
         head = SimpleNamespace(sts_temperatures=None) if has_confidence else None
@@ -350,8 +353,8 @@ class RemoteDSparkWorker(DSparkWorkerV2):
             verify_num_draft_tokens=self.verify_num_draft_tokens, tp_rank=parallel_rank,
             device=self.device, simulate_acc_len=0.0)
 
-    def _remote_drafts(self, server_args: Any, drafter: str, runner: Any, tp_rank: int
-                       ) -> RemoteDrafts:
+    def _remote_drafts(self, server_args: Any, drafter: str, runner: Any, tp_rank: int,
+                       confidence: bool) -> RemoteDrafts:
         opts = options_from_env()
         pool = runner.req_to_token_pool
         max_rows = int(pool.req_generation.shape[0])
@@ -380,7 +383,8 @@ class RemoteDSparkWorker(DSparkWorkerV2):
                             self.gamma)
         return RemoteDrafts(gamma=self.gamma, max_rows=max_rows, taps=taps, hidden=hidden,
                             device=self.device, rounds=rounds, slots=slots, window=window,
-                            req_generation=pool.req_generation, tp_group=group)
+                            req_generation=pool.req_generation, tp_group=group,
+                            confidence=confidence)
 
     # -- no draft model, KV or graphs ------------------------------------------------------------
     def weight_update_runners(self) -> list[tuple[str, Any]]:

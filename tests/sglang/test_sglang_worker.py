@@ -12,10 +12,12 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from sglang_engine import Engine, publish, server_args, stand_in_target
 
 from tests.support.engine_plugin import reference_rounds, run_ranks
@@ -125,7 +127,7 @@ def test_sglangs_planner_turns_the_confidences_into_budgets(
         assert (conf.numpy() == step.confidence).all() and step.confidence.all()
         budget = wk._verify_planner.compute_budget_sync(
             confidence=conf, prefix_lens=None,
-            req_pool_indices=__import__("torch").tensor([r.row for r in eng.reqs.values()]))
+            req_pool_indices=torch.tensor([r.row for r in eng.reqs.values()]))
         assert budget is not None and 2 <= budget <= 2 * (GAMMA + 1), budget
     finally:
         wk._proposer.rounds.client.close()
@@ -183,3 +185,37 @@ def test_tensor_parallel_ranks_share_rank_0s_drafts(worker: Any, drafter_dirs: d
     assert np.array_equal(rank0["confidence"].view(np.int32), rank1["confidence"].view(np.int32))
     assert np.array_equal(rank0["commit"], rank1["commit"])
     assert int(rank0["rounds"]) == 3 and int(rank1["rounds"]) == 0
+
+
+def test_a_drafter_without_a_confidence_head_runs_the_static_mode(
+        worker: Any, drafter_dirs: dict[str, Path], target_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drafter config without a confidence head: SGLang's planner gets no head (static:
+    every step verifies gamma drafts), the proposal carries no confidences, and a mode that
+    needs them is refused at start."""
+    import shutil
+
+    host = tmp_path / "headless"
+    shutil.copytree(drafter_dirs["host"], host)
+    cfg = json.loads((host / "config.json").read_text())
+    cfg["enable_confidence_head"] = False
+    (host / "config.json").write_text(json.dumps(cfg))
+    wk, target = make_worker(host, target_dir, worker.endpoint, monkeypatch)
+    try:
+        assert not wk.carries_confidence and wk._verify_planner.mode_value == "static"
+        eng = Engine(wk, target, host)
+        eng.prefill({"a": 9})
+        req = eng.reqs["a"]
+        proposal = wk._proposer.propose(
+            batch=SimpleNamespace(req_pool_indices=torch.tensor([req.row]),
+                                  seq_lens=torch.tensor([req.seq_len]),
+                                  reqs=[SimpleNamespace(rid="a")]),
+            draft_input=SimpleNamespace(bonus_tokens=torch.tensor([req.bonus])),
+            verify_window=None, bs=1, device="cpu", target_model=None, sampling_info=None)
+        drafts = proposal.draft_block.draft_tokens
+        assert proposal.confidence is None and drafts.shape == (1, 7) and drafts.any()
+    finally:
+        wk._proposer.rounds.client.close()
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "compact")
+    with pytest.raises(ValueError, match="has no confidence head"):
+        server_args(host, target_dir)
