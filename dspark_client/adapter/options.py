@@ -62,19 +62,18 @@ class RemoteDSparkOptions(msgspec.Struct, frozen=True, kw_only=True):
     target_checkpoint: str | None = None
 
 
-def _refuse(where: str, key: str, value: object, why: str) -> ValueError:
-    return ValueError(f"{where}.{key} = {value!r}: {why}")
+def _refuse(key: str, value: object, why: str) -> ValueError:
+    return ValueError(f"{_WHERE}.{key} = {value!r}: {why}")
 
 
-def _int(raw: dict[str, Any], key: str, low: int, high: int | None = None, *,
-         where: str) -> int | None:
+def _int(raw: dict[str, Any], key: str, low: int, high: int | None = None) -> int | None:
     value = raw.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _refuse(where, key, value, "must be an integer")
+        raise _refuse(key, value, "must be an integer")
     if value < low or (high is not None and value > high):
-        raise _refuse(where, key, value, f"must be in [{low}, {high}]" if high is not None
+        raise _refuse(key, value, f"must be in [{low}, {high}]" if high is not None
                       else f"must be at least {low}")
     return value
 
@@ -82,16 +81,22 @@ def _int(raw: dict[str, Any], key: str, low: int, high: int | None = None, *,
 def parse_options(raw: Any, *, where: str = _WHERE) -> RemoteDSparkOptions:
     """``speculator_options`` (a dict, or None for every default) checked: an unknown key, a
     value of the wrong type or out of range is a ValueError naming the key and the value, as
-    an option of ``where`` (where the engine's user gives them)."""
+    an option of ``where`` (where the engine's user gives them; vLLM's by default)."""
+    if where != _WHERE:
+        # The same checks; each message begins with the place, which becomes ``where``.
+        try:
+            return parse_options(raw)
+        except ValueError as exc:
+            raise ValueError(where + str(exc).removeprefix(_WHERE)) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ValueError(f"{where} must be a JSON object, got {type(raw).__name__}")
+        raise ValueError(f"{_WHERE} must be a JSON object, got {type(raw).__name__}")
     unknown = sorted(set(raw) - CLIENT_KEYS - HELLO_KEYS)
     if unknown:
         hint = (" (give the secret in a file: auth_secret_file)" if "auth_secret" in unknown
                 else "")
-        raise ValueError(f"{where}: unknown option {unknown[0]!r}{hint}; the options are "
+        raise ValueError(f"{_WHERE}: unknown option {unknown[0]!r}{hint}; the options are "
                          f"{', '.join(sorted(CLIENT_KEYS | HELLO_KEYS))}")
     client = {k: v for k, v in raw.items() if k in CLIENT_KEYS}
     try:
@@ -100,27 +105,27 @@ def parse_options(raw: Any, *, where: str = _WHERE) -> RemoteDSparkOptions:
         # RemoteConfig's own words ("RemoteConfig.timeout_ms = -1.0: ...", or msgspec's
         # "... - at `$.timeout_ms`" for a wrong type), named as the option they came from
         why = str(exc).removeprefix("RemoteConfig: ")
-        raise ValueError(f"{where}.{why.removeprefix('RemoteConfig.')}"
-                         if why.startswith("RemoteConfig.") else f"{where}: {why}") from None
-    window = _int(raw, "window", 1, MAX_WINDOW, where=where)
-    max_slots = _int(raw, "max_slots", 1, where=where)
-    rows = _int(raw, "max_rows_per_step", 1, where=where)
+        raise ValueError(f"{_WHERE}.{why.removeprefix('RemoteConfig.')}"
+                         if why.startswith("RemoteConfig.") else f"{_WHERE}: {why}") from None
+    window = _int(raw, "window", 1, MAX_WINDOW)
+    max_slots = _int(raw, "max_slots", 1)
+    rows = _int(raw, "max_rows_per_step", 1)
     if rows is not None and rows < (window or DEFAULT_WINDOW):
-        raise _refuse(where, "max_rows_per_step", rows,
+        raise _refuse("max_rows_per_step", rows,
                       f"must be at least the window ({window or DEFAULT_WINDOW}): one slot's"
                       " resync is W rows")
     name = raw.get("client_name")
     if name is not None:
         if not isinstance(name, str) or not name:
-            raise _refuse(where, "client_name", name, "must be a non-empty string")
+            raise _refuse("client_name", name, "must be a non-empty string")
         try:
             encode_name(name, "client_name")  # the HELLO's own rule: 32 bytes, no NUL
         except wire.WireError as exc:
             why = str(exc).removeprefix(f"client_name {name!r} ")
-            raise _refuse(where, "client_name", name, why) from None
+            raise _refuse("client_name", name, why) from None
     target = raw.get("target_checkpoint")
     if target is not None and (not isinstance(target, str) or not target):
-        raise _refuse(where, "target_checkpoint", target, "must be a path")
+        raise _refuse("target_checkpoint", target, "must be a path")
     return RemoteDSparkOptions(remote=remote, window=window or DEFAULT_WINDOW,
                                max_slots=max_slots, max_rows_per_step=rows, client_name=name,
                                target_checkpoint=target)

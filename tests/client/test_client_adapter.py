@@ -80,3 +80,17 @@ def test_a_round_that_raises_gives_zeros_and_is_logged_once(caplog: pytest.LogCa
         for _ in range(3):
             assert not guard.run(np.zeros((2, 4), np.int64), broken).any()
     assert guard.errors == 3 and len(caplog.records) == 1
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    ({"timeout_ms": -1}, "ENGINE_OPTIONS.timeout_ms = -1"),
+    ({"window": 0}, "ENGINE_OPTIONS.window = 0"),
+    ({"nope": 1}, "ENGINE_OPTIONS: unknown option 'nope'"),
+    ([], "ENGINE_OPTIONS must be a JSON object")])
+def test_the_options_name_the_place_an_engine_takes_them_from(raw: object, says: str) -> None:
+    from dspark_client.adapter.options import parse_options
+
+    with pytest.raises(ValueError) as exc:
+        parse_options(raw, where="ENGINE_OPTIONS")
+    assert str(exc.value).startswith(says), exc.value
+    assert parse_options({"window": 8}, where="ENGINE_OPTIONS").window == 8
