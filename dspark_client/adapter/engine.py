@@ -31,15 +31,17 @@ ERROR_LOG_INTERVAL_S: Final = 60.0
 
 
 def start_rounds(remote: RemoteConfig, hello: wire.Hello, *, owner: object,
-                 log: logging.Logger) -> DraftRounds:
+                 log: logging.Logger, wait: float | None = None, note: str = ""
+                 ) -> DraftRounds:
     """Rank 0's rounds on a client of ``remote`` saying ``hello``; GOODBYE when ``owner`` is
-    collected. Waits for the worker once, within the connect timeout: the first requests then
-    get drafts, and the worker has said whether its drafter has a confidence head."""
+    collected. Waits for the worker once, ``wait`` seconds (the connect timeout by default):
+    the first requests then get drafts, and the worker has said whether its drafter has a
+    confidence head. ``note``: said after the HELLO's terms in the log line."""
     client = RemoteDraftClient(remote, hello)
     weakref.finalize(owner, client.close)
-    ready = client.wait_ready(remote.connect_timeout_ms / 1000.0)
-    log.info("remote DSpark: %s as %r (%d slots, W %d, N %d)%s", client.endpoint,
-             hello.client_name, hello.max_slots, hello.window, hello.num_spec,
+    ready = client.wait_ready(remote.connect_timeout_ms / 1000.0 if wait is None else wait)
+    log.info("remote DSpark: %s as %r (%d slots, W %d, N %d%s)%s", client.endpoint,
+             hello.client_name, hello.max_slots, hello.window, hello.num_spec, note,
              "" if ready else f"; no worker answered yet ({client.last_error})")
     return DraftRounds(client)
 
