@@ -31,19 +31,18 @@ target's graph replay, as the runner calls every speculator.
 from __future__ import annotations
 
 import logging
-import os
 import time
-import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
 from dspark_client.acceptance import record_verified
+from dspark_client.adapter.device import RoundTensors, TapRowGather, client_tag
+from dspark_client.adapter.engine import GuardedRounds, fill_round, start_rounds
 from dspark_client.adapter.options import default_client_name, parse_options
-from dspark_client.client import RemoteDraftClient
+from dspark_client.adapter.slots import NO_SLOT, SlotTable
 from dspark_client.hello import tap_layers
 from dspark_client.rounds import DraftRounds
 
@@ -59,11 +58,6 @@ __all__ = ["RemoteDSparkSpeculator", "tp_group"]
 
 log = logging.getLogger("dspark_vllm")
 
-# A round that raised (a bug here, never the worker: its failures are target-only rounds)
-# is logged with its traceback at most once per this many seconds; the rest are counted.
-ERROR_LOG_INTERVAL_S: Final = 60.0
-_NO_SLOT: Final = -1
-
 
 def tp_group() -> Any:
     """vLLM's tensor-parallel group of this rank, or None when it has one rank (or no group
@@ -74,84 +68,6 @@ def tp_group() -> Any:
         return None
     group = get_tp_group()
     return group if group.world_size > 1 else None
-
-
-def _client_tag(device: torch.device, data_parallel_rank: int) -> str:
-    """What tells this engine's rank 0 from another engine's on the same host, stable across
-    restarts: the physical GPU it runs on (two engines never share one), else its
-    data-parallel rank."""
-    if device.type != "cuda" or device.index is None:
-        return f"dp{data_parallel_rank}"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    physical = visible[device.index].strip() if device.index < len(visible) and \
-        visible[device.index].strip() else str(device.index)
-    return f"gpu{physical}"
-
-
-class _Slots:
-    """Rank 0's slots: which request-state index holds which slot, the slot's generation,
-    the request id naming it once a batch showed it, and the slots to release."""
-
-    def __init__(self, max_num_reqs: int, max_slots: int) -> None:
-        self.of_index = np.full(max_num_reqs, _NO_SLOT, np.int64)
-        self.index_of = np.full(max_slots, _NO_SLOT, np.int64)
-        self.generation = np.zeros(max_slots, np.int64)
-        self.named = np.zeros(max_slots, bool)
-        self.owner: list[str | None] = [None] * max_slots
-        self.of_request: dict[str, int] = {}
-        self.free = list(range(max_slots - 1, -1, -1))  # pop() takes slot 0 first
-        self.release: list[int] = []
-        self.refused = 0  # requests that found every slot taken (no drafts for them)
-
-    def add(self, req_index: int) -> None:
-        old = int(self.of_index[req_index])
-        if old != _NO_SLOT:  # its request left without finishing (preempted)
-            self.drop(old)
-        if not self.free:
-            self.refused += 1
-            if self.refused == 1:
-                log.warning("remote DSpark: every one of the %d slots is taken (max_slots);"
-                            " requests beyond them are served without drafts",
-                            len(self.index_of))
-            return
-        slot = self.free.pop()
-        self.of_index[req_index] = slot
-        self.index_of[slot] = req_index
-        self.generation[slot] += 1
-        self.named[slot] = False
-
-    def drop(self, slot: int) -> None:
-        owner = self.owner[slot]
-        if owner is not None and self.of_request.get(owner) == slot:
-            del self.of_request[owner]
-        self.owner[slot] = None
-        self.named[slot] = True  # nothing to name until it is taken again
-        index = int(self.index_of[slot])
-        if index != _NO_SLOT and self.of_index[index] == slot:
-            self.of_index[index] = _NO_SLOT
-        self.index_of[slot] = _NO_SLOT
-        self.release.append(slot)
-        self.free.append(slot)
-
-    def name(self, slots: np.ndarray, req_ids: Sequence[str]) -> None:
-        """The batch's requests name the slots taken since the last batch; a request already
-        naming another slot came back under a new index, and its old slot is dropped."""
-        have = slots != _NO_SLOT
-        fresh = np.flatnonzero(have & ~self.named[np.where(have, slots, 0)])
-        for i in fresh.tolist():
-            slot, req_id = int(slots[i]), req_ids[i]
-            old = self.of_request.get(req_id)
-            if old is not None and old != slot:
-                self.drop(old)
-            self.owner[slot] = req_id
-            self.of_request[req_id] = slot
-            self.named[slot] = True
-
-    def finished(self, req_ids: set[str]) -> None:
-        for req_id in req_ids:
-            slot = self.of_request.get(req_id)
-            if slot is not None:
-                self.drop(slot)
 
 
 class RemoteDSparkSpeculator(BaseSpeculator):
@@ -167,17 +83,14 @@ class RemoteDSparkSpeculator(BaseSpeculator):
         self.max_num_reqs = R = int(vllm_config.scheduler_config.max_num_seqs)
         # What the runner reads after propose (every rank): the drafts it verifies next step,
         # and the per-position confidences adaptive verification ranks them by.
-        self.draft_tokens = torch.zeros(R, K, dtype=torch.int64, device=device)
-        self.draft_token_confidence_probs = torch.zeros(R, K, dtype=torch.float32,
-                                                        device=device)
-        # [drafts | confidence bits]: one tensor, one copy, one broadcast per step.
-        self._packed = torch.zeros(R, 2 * K, dtype=torch.int64, device=device)
+        self._out = RoundTensors(R, K, device)
+        self.draft_tokens = self._out.draft_tokens
+        self.draft_token_confidence_probs = self._out.confidence
         self._tp = tp_group()
         self.is_driver = self._tp is None or self._tp.rank_in_group == 0
         self.rounds: DraftRounds | None = None
-        self._slots: _Slots | None = None
-        self._errors = 0
-        self._error_logged = -float("inf")
+        self._slots: SlotTable | None = None
+        self._guard = GuardedRounds(log)
         self.enable_adaptive_verification = bool(spec.enable_adaptive_verification)
         if self.is_driver:
             self._start_client(spec, vllm_config, device)
@@ -191,28 +104,24 @@ class RemoteDSparkSpeculator(BaseSpeculator):
                       device: torch.device) -> None:
         opts = parse_options(spec.speculator_options)
         name = opts.client_name or default_client_name(
-            _client_tag(device, vllm_config.parallel_config.data_parallel_rank))
+            client_tag(device, vllm_config.parallel_config.data_parallel_rank))
         wait = opts.remote.connect_timeout_ms / 1000.0
         deadline = time.monotonic() + wait
         hello, terms_from = engine_hello(spec, opts, max_num_seqs=self.max_num_reqs,
                                          client_name=name, timeout=wait)
         max_slots = hello.max_slots
-        client = RemoteDraftClient(opts.remote, hello)
-        self.rounds = DraftRounds(client)
-        weakref.finalize(self, client.close)  # GOODBYE when the runner drops the speculator
-        self._slots = _Slots(self.max_num_reqs, max_slots)
-        taps = list(tap_layers(drafter_of(spec)))  # (hello_for read the same config.json)
+        # Waits for the worker once, within what is left of the connect timeout; GOODBYE when
+        # the runner drops the speculator.
+        self.rounds = start_rounds(opts.remote, hello, owner=self, log=log,
+                                   wait=max(deadline - time.monotonic(), 0.0),
+                                   note=f"; W and limits {terms_from}")
+        self._slots = SlotTable(self.max_num_reqs, max_slots, engine="vLLM")
+        taps = list(tap_layers(drafter_of(spec)))  # (engine_hello read the same config.json)
         ascending = sorted(taps)
         # vLLM hands the aux hidden states in layer order; the rows take the drafter's order.
         self._aux_order = [ascending.index(t) for t in taps]
         self.window = hello.window
-        self._host_rows: torch.Tensor | None = None
-        # Wait for the worker once, within the connect timeout: the first requests then get
-        # drafts, and the worker says whether its drafter has a confidence head.
-        ready = client.wait_ready(max(deadline - time.monotonic(), 0.0))
-        log.info("remote DSpark: %s as %r (%d slots, W %d, N %d; W and limits %s)%s",
-                 client.endpoint, name, max_slots, hello.window, hello.num_spec, terms_from,
-                 "" if ready else f"; no worker answered yet ({client.last_error})")
+        self._gather = TapRowGather(device)
         if self.enable_adaptive_verification and self._worker_lacks_confidence():
             log.warning("remote DSpark: the worker's drafter has no confidence head; adaptive"
                         " verification is off and every step verifies %d drafts",
@@ -262,22 +171,17 @@ class RemoteDSparkSpeculator(BaseSpeculator):
         num_speculative_tokens: int | None = None,
     ) -> torch.Tensor:
         n, K = input_batch.num_reqs, self.num_speculative_steps
-        packed = self._packed[:n]
         if dummy_run or n == 0:
             # Warmup, profiling and capture batches: no worker involved, on any rank alike.
-            packed.zero_()
+            self._out.clear(n)
         else:
+            host = None
             if self.is_driver:
                 host = self._round(input_batch, aux_hidden_states, num_sampled, num_rejected,
                                    last_sampled, next_prefill_tokens,
                                    K if num_speculative_tokens is None
                                    else min(num_speculative_tokens, K))
-                packed.copy_(torch.from_numpy(host))
-            if self._tp is not None:
-                self._tp.broadcast(packed, src=0)
-        self.draft_tokens[:n] = packed[:, :K]
-        self.draft_token_confidence_probs[:n] = packed[:, K:].to(torch.int32).view(
-            torch.float32)
+            self._out.publish(n, host, self._tp)
         return self.draft_tokens[:n]
 
     # -- rank 0's round -------------------------------------------------------------------------
@@ -288,19 +192,9 @@ class RemoteDSparkSpeculator(BaseSpeculator):
         without a slot or after a failed round. Never raises: the other ranks wait in the
         broadcast for what this returns, so an error here is logged and gives no drafts."""
         n, K = batch.num_reqs, self.num_speculative_steps
-        out = np.zeros((n, 2 * K), np.int64)
-        try:
-            self._round_into(out, batch, aux, num_sampled, num_rejected, last_sampled,
-                             next_prefill_tokens, n_out)
-        except Exception:
-            out[:] = 0
-            self._errors += 1
-            now = time.monotonic()
-            if now - self._error_logged >= ERROR_LOG_INTERVAL_S:
-                self._error_logged = now
-                log.exception("remote DSpark: a round failed here (%d so far); this step is"
-                              " served without drafts", self._errors)
-        return out
+        return self._guard.run(np.zeros((n, 2 * K), np.int64), lambda out: self._round_into(
+            out, batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
+            n_out))
 
     def _round_into(self, out: np.ndarray, batch: InputBatch, aux: list[torch.Tensor] | None,
                     num_sampled: torch.Tensor, num_rejected: torch.Tensor,
@@ -310,7 +204,7 @@ class RemoteDSparkSpeculator(BaseSpeculator):
         if not aux:
             raise RuntimeError("the runner passed no aux hidden states: the target model"
                                " does not output the drafter's tap layers")
-        n, K, W = batch.num_reqs, self.num_speculative_steps, self.window
+        n, W = batch.num_reqs, self.window
         index = np.asarray(batch.idx_mapping_np[:n], np.int64)
         slots = self._slots.of_index[index]
         self._slots.name(slots, batch.req_ids)
@@ -336,7 +230,7 @@ class RemoteDSparkSpeculator(BaseSpeculator):
         # What the target verified of the last round's drafts: the query less its bonus
         # token, for requests that were decoding (the client's acceptance counts).
         decoding = ~np.asarray(batch.is_prefilling_np[:n], bool) & (sampled > 0)
-        ours = np.flatnonzero(slots != _NO_SLOT)
+        ours = np.flatnonzero(slots != NO_SLOT)
         if len(ours) < n:  # requests that found no slot are left out (no drafts)
             slots, valid, anchor, starts = slots[ours], valid[ours], anchor[ours], starts[ours]
             anchor_token, wanted, n_query = anchor_token[ours], wanted[ours], n_query[ours]
@@ -345,41 +239,10 @@ class RemoteDSparkSpeculator(BaseSpeculator):
             record_verified(self.rounds, slots[decoding], n_query[decoding] - 1)
         # 2. The newest W verified rows of each request, in request order, as bf16 bytes.
         n_rows = np.minimum(valid, W)
-        rows = self._tap_rows(aux, starts + valid - n_rows, n_rows)
-        # 3. One round.
+        rows = self._gather.gather([aux[j] for j in self._aux_order],
+                                   starts + valid - n_rows, n_rows)
+        # 3. One round; 4. its drafts and confidences' bits, in the batch's order.
         s = self._slots
-        release, s.release = s.release, []
         res = self.rounds.run_batch(slots, s.generation[slots], anchor, anchor_token, wanted,
-                                    rows, n_rows, release=release)
-        if not res.ok:
-            return
-        # 4. The drafts and the confidences' bits, in the batch's order.
-        out[ours, :K] = res.draft_ids[:, :K]
-        out[ours, K:] = res.confidence[:, :K].view(np.int32)
-
-    def _tap_rows(self, aux: list[torch.Tensor], begin: np.ndarray, count: np.ndarray
-                  ) -> np.ndarray | None:
-        """``uint8 [sum(count), row_bytes]``: rows ``[begin[i], begin[i] + count[i])`` of the
-        batch, request after request, each the taps concatenated in the drafter's order."""
-        total = int(count.sum())
-        if not total:
-            return None
-        # Row i of the result is batch row begin[r] + (i - offset[r]) of its request r.
-        offset = np.cumsum(count) - count
-        where = np.repeat(begin - offset, count) + np.arange(total)
-        at = torch.from_numpy(where).to(self.device, non_blocking=True)
-        taps = torch.cat([aux[j].index_select(0, at) for j in self._aux_order], dim=1)
-        data = taps.to(torch.bfloat16).contiguous().view(torch.uint8)
-        host = self._host_buffer(total, data.shape[1])
-        host.copy_(data)
-        return host.numpy()
-
-    def _host_buffer(self, n: int, width: int) -> torch.Tensor:
-        """A host buffer of at least ``n`` rows (pinned beside a GPU: one DMA per round),
-        grown by doubling and kept."""
-        buf = self._host_rows
-        if buf is None or buf.shape[0] < n or buf.shape[1] != width:
-            rows = max(n, 2 * (buf.shape[0] if buf is not None else 64))
-            buf = self._host_rows = torch.empty(rows, width, dtype=torch.uint8,
-                                                pin_memory=self.device.type == "cuda")
-        return buf[:n]
+                                    rows, n_rows, release=s.take_release())
+        fill_round(out, ours, res)

@@ -2,7 +2,8 @@
 threads, clocks or torch) and imports neither other package; ``dspark_client`` and
 ``dspark_worker`` never import each other; the vLLM plugin ``dspark_vllm`` builds on the
 client (never the worker), nothing else imports it, and loading it as vLLM's plugin imports
-neither vLLM nor torch. Checked on the source (AST) and, for torch, by importing in a fresh
+neither vLLM nor torch; the SGLang plugin ``dspark_sglang`` likewise builds on the client and
+nothing imports it. Checked on the source (AST) and, for torch, by importing in a fresh
 interpreter."""
 
 from __future__ import annotations
@@ -101,11 +102,15 @@ def test_client_and_worker_never_import_each_other(package: str, other: str) -> 
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-@pytest.mark.parametrize("package", ["dspark_client", "dspark_worker"])
-def test_nothing_imports_the_vllm_plugin(package: str) -> None:
-    """``dspark_vllm`` is imported only inside vLLM (its plugin loader)."""
+@pytest.mark.parametrize(("plugin", "package"), [
+    ("dspark_vllm", "dspark_client"), ("dspark_vllm", "dspark_worker"),
+    ("dspark_vllm", "dspark_sglang"), ("dspark_sglang", "dspark_client"),
+    ("dspark_sglang", "dspark_worker"), ("dspark_sglang", "dspark_vllm")])
+def test_nothing_imports_an_engine_plugin(plugin: str, package: str) -> None:
+    """``dspark_vllm`` and ``dspark_sglang`` are imported only inside their engines (their
+    plugin loaders)."""
     offenders = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p)
-                                                  if m.split(".")[0] == "dspark_vllm")
+                                                  if m.split(".")[0] == plugin)
                  for p in sources(package)}
     assert {k: v for k, v in offenders.items() if v} == {}
 
@@ -121,6 +126,31 @@ def test_the_vllm_plugin_builds_on_the_client_never_the_worker() -> None:
     modules = imported_modules(ROOT / "dspark_vllm" / "config.py")
     assert not {m for m in modules if m.startswith("dspark_vllm.speculator")}
     assert "torch" not in top_level(modules)
+
+
+def test_the_sglang_plugin_builds_on_the_client_never_the_worker() -> None:
+    files = sources("dspark_sglang")
+    assert {"__init__.py", "algo.py", "worker.py"} <= {p.name for p in files}
+    used = set().union(*(top_level(imported_modules(p)) for p in files))
+    assert "dspark_worker" not in used and "dspark_vllm" not in used
+    assert {"dspark_client", "sglang", "torch"} <= used
+    # SGLang runs the entry point in every one of its processes: it imports nothing at the
+    # top but the package's constants (SGLang's registry is imported inside register()).
+    assert top_level(imported_modules(ROOT / "dspark_sglang" / "__init__.py")) <= {
+        "__future__", "typing", "sglang", "dspark_sglang"}
+
+
+def test_the_adapters_torch_module_is_for_the_adapters_only() -> None:
+    """``dspark_client.adapter.device`` imports torch; nothing else in ``dspark_client``
+    imports it (the client stays torch-free), and the adapters' other shared modules import
+    neither torch nor an engine."""
+    device = "dspark_client.adapter.device"
+    offenders = sorted(str(p.relative_to(ROOT)) for p in sources("dspark_client")
+                       if device in imported_modules(p))
+    assert offenders == []
+    for name in ("slots.py", "engine.py"):
+        used = top_level(imported_modules(ROOT / "dspark_client" / "adapter" / name))
+        assert not used & {"torch", "vllm", "sglang"}, name
 
 
 def test_the_adapters_options_import_no_engine() -> None:

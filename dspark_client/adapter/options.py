@@ -151,10 +151,16 @@ def _remote_config(raw: dict[str, Any]) -> RemoteConfig:
                          if why.startswith("RemoteConfig.") else f"{_WHERE}: {why}") from None
 
 
-def parse_options(raw: Any) -> RemoteDSparkOptions:
+def parse_options(raw: Any, *, where: str = _WHERE) -> RemoteDSparkOptions:
     """``speculator_options`` (a dict, or None for every default) checked: an unknown key, a
-    value of the wrong type or out of range is a ValueError naming the key, the value and the
-    limit."""
+    value of the wrong type or out of range is a ValueError naming the key and the value, as
+    an option of ``where`` (where the engine's user gives them; vLLM's by default)."""
+    if where != _WHERE:
+        # The same checks; each message begins with the place, which becomes ``where``.
+        try:
+            return parse_options(raw)
+        except ValueError as exc:
+            raise ValueError(where + str(exc).removeprefix(_WHERE)) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -186,11 +192,11 @@ def parse_options(raw: Any) -> RemoteDSparkOptions:
                                target_checkpoint=target)
 
 
-def default_client_name(tag: str, host: str | None = None) -> str:
-    """``vllm-<tag>@<host>``: stable across restarts of this engine instance (contract 1) and
-    distinct per engine on a host (``tag``: what tells them apart); the host name is cut to fit
-    the wire's 32 bytes."""
-    prefix = f"vllm-{tag}@"
+def default_client_name(tag: str, host: str | None = None, *, engine: str = "vllm") -> str:
+    """``<engine>-<tag>@<host>``: stable across restarts of this engine instance (contract 1)
+    and distinct per engine on a host (``tag``: what tells them apart); the host name is cut to
+    fit the wire's 32 bytes."""
+    prefix = f"{engine}-{tag}@"
     host = host if host is not None else socket.gethostname()
     room = NAME_BYTES - len(prefix.encode("utf-8"))
     raw = host.encode("utf-8")[:max(room, 0)]
@@ -217,7 +223,8 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
                   client_name: str, target_hidden_size: int, draft_topk: int | None = None,
                   target_checkpoint: str | Path | None = None,
                   identities_needed: bool = True, window: int | None = None,
-                  max_rows_per_step: int | None = None) -> wire.Hello:
+                  max_rows_per_step: int | None = None, where: str = _WHERE,
+                  folder: str = "remote_dspark's model") -> wire.Hello:
     """The HELLO for the drafter folder ``drafter`` on this host: geometry from its
     ``config.json``; identities from its weights (or a current ``dspark_identity.json`` beside
     them), else from the ``dspark_identity.json`` alone. The hidden size is the served
@@ -233,7 +240,7 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
         raise _refuse("max_rows_per_step", opts.max_rows_per_step,
                       f"must be at least the window W ({w}): one slot's resync is W rows")
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path}: no config.json; remote_dspark's model is the drafter's"
+        raise ValueError(f"{path}: no config.json; {folder} is the drafter's"
                          " folder on this host (its config.json, and its weights or the"
                          f" {IDENTITY_FILE} the worker writes beside them)")
     none = (bytes(IDENTITY_BYTES), bytes(IDENTITY_BYTES))
@@ -246,7 +253,7 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
             raise ValueError(f"{path}: neither the drafter's weights (*.safetensors) nor the"
                              f" {IDENTITY_FILE} the worker writes beside them; copy one of"
                              " them next to config.json (the HELLO carries the identities),"
-                             " or set speculator_options.follow_drafter to draft with"
+                             f" or set {where}.follow_drafter to draft with"
                              " whichever drafter of this geometry the worker serves")
     elif not identities_needed:
         identities = none

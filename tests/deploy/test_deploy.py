@@ -762,7 +762,8 @@ def test_operations_stats_schema_is_the_code_s() -> None:
 
 def test_architecture_names_real_files() -> None:
     text = (ROOT / "docs" / "architecture.md").read_text()
-    for path in set(re.findall(r"`((?:protocol|dspark_worker|dspark_client)/[\w/]+\.py)`", text)):
+    packages = "protocol|dspark_worker|dspark_client|dspark_vllm|dspark_sglang"
+    for path in set(re.findall(rf"`((?:{packages})/[\w/]+\.py)`", text)):
         assert (ROOT / path).is_file(), path
 
 

@@ -8,15 +8,9 @@ is an error, not a skip.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parents[1]
@@ -24,13 +18,15 @@ for _path in (str(_HERE), str(_ROOT)):  # this folder's helpers by name, and tes
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-# (An installed vLLM: where none is, "vllm" still resolves to this folder as a namespace
-# package once tests/ is on sys.path, a spec without an origin.)
-_VLLM = importlib.util.find_spec("vllm")
-HAVE_VLLM = _VLLM is not None and _VLLM.origin is not None
-if not HAVE_VLLM and os.environ.get("DSPARK_REQUIRE_VLLM") == "1":
-    raise pytest.UsageError("DSPARK_REQUIRE_VLLM=1 but vllm is not importable in "
-                            f"{sys.executable}")
+# The shared fixtures, by name (tests/vllm and tests/sglang use the same ones).
+from tests.support.engine_plugin import (  # noqa: E402
+    drafter_dirs,
+    engine_installed,
+    reference_copy,
+    worker,
+)
+
+HAVE_VLLM = engine_installed("vllm", "DSPARK_REQUIRE_VLLM")
 collect_ignore_glob = [] if HAVE_VLLM else ["test_*.py"]
 if HAVE_VLLM:
     # vLLM's modules, imported once here, where their import-time deprecation warnings (torch's
@@ -42,35 +38,5 @@ if HAVE_VLLM:
         import vllm.v1.worker.gpu.input_batch
         import vllm.v1.worker.gpu.spec_decode.speculator  # noqa: F401
 
-REFERENCE = _ROOT / "dspark_worker" / "drafter" / "reference"
 
-
-@pytest.fixture(scope="session")
-def reference_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reference drafter (config.json and weights) in a folder the worker may write to."""
-    full = tmp_path_factory.mktemp("drafter") / "full"
-    shutil.copytree(REFERENCE, full, ignore=shutil.ignore_patterns("dspark_identity.json"))
-    return full
-
-
-@pytest.fixture(scope="session")
-def worker(reference_copy: Path) -> Iterator[object]:
-    """A real dspark-worker serving the reference drafter from ``reference_copy`` at W = 16
-    (it writes dspark_identity.json there as it loads it)."""
-    from tests.support.worker_proc import start_worker
-
-    with start_worker("--checkpoint", str(reference_copy), "--device", "cpu", "--window", "16",
-                      "--max-slots", "16", "--max-total-slots", "48") as w:
-        yield w
-
-
-@pytest.fixture(scope="session")
-def drafter_dirs(worker: object, reference_copy: Path) -> dict[str, Path]:
-    """The reference drafter in two forms: ``full`` (config.json and weights, as the worker
-    loads them) and ``host`` (what an engine host needs: config.json and the
-    dspark_identity.json the worker wrote)."""
-    host = reference_copy.parent / "host"
-    host.mkdir(exist_ok=True)
-    for name in ("config.json", "dspark_identity.json"):
-        shutil.copy(reference_copy / name, host / name)
-    return {"full": reference_copy, "host": host}
+__all__ = ["drafter_dirs", "reference_copy", "worker"]

@@ -17,12 +17,12 @@ from vllm_engine import (
     CPU,
     Engine,
     model_config,
-    reference_rounds,
     speculative_config,
     target_folder,
     vllm_config,
 )
 
+from tests.support.engine_plugin import reference_rounds, run_ranks
 from tests.support.worker_proc import start_worker, worker_stats
 
 K, W, MAX_REQS = 7, 16, 6
@@ -165,7 +165,6 @@ def test_tensor_parallel_ranks_share_rank_0s_drafts(worker: Any, drafter_dirs: d
     """Two ranks of a TP-2 engine in vLLM's own distributed setup (gloo on the CPU): only rank
     0 has a client (one session on the worker), and every step both ranks hold the same drafts
     and confidences, rank 0's, with the same adaptive-verification flag."""
-    import subprocess
     import sys
 
     from tests.client.real_engine import free_port
@@ -177,19 +176,8 @@ def test_tensor_parallel_ranks_share_rank_0s_drafts(worker: Any, drafter_dirs: d
     port = str(free_port())
     script = Path(__file__).with_name("tp_rank.py")
     outs = [tmp_path / f"rank{r}.npz" for r in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, worker.endpoint,
-                               str(drafter_dirs["full"]), str(outs[r])],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in (0, 1)]
-    try:
-        logs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:  # one rank failing leaves the other waiting for it: end both
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {r}:\n{log[-3000:]}"
+    run_ranks([[sys.executable, str(script), str(r), port, worker.endpoint,
+                str(drafter_dirs["full"]), str(outs[r])] for r in (0, 1)], timeout=120)
     rank0, rank1 = (np.load(o) for o in outs)
     assert bool(rank0["driver"]) and bool(rank0["has_client"])
     assert not bool(rank1["driver"]) and not bool(rank1["has_client"])

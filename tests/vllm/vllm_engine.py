@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_client import DraftRounds, RemoteConfig, RemoteDraftClient, SlotRequest
-from dspark_client.hello import hello_from_checkpoint
+from dspark_client import DraftRounds, SlotRequest
 
 HIDDEN, N_TAPS, VOCAB, LAYERS = 128, 3, 260, 4  # the reference pair's target (config.json)
 CPU = torch.device("cpu")
@@ -286,12 +285,3 @@ class Engine:
             k = int(res.num_drafted[i])
             out.ref_drafts[r.req_id] = res.draft_ids[i, :k].copy()
             out.ref_confidence[r.req_id] = res.confidence[i, :k].copy()
-
-
-def reference_rounds(drafter: Path, endpoint: str, *, window: int, max_slots: int) -> DraftRounds:
-    hello = hello_from_checkpoint(drafter, window=window, max_slots=max_slots,
-                                  client_name="reference-engine")
-    client = RemoteDraftClient(RemoteConfig(endpoint=endpoint, timeout_ms=5000), hello)
-    if not client.wait_ready(30):
-        raise RuntimeError(f"the reference session found no worker: {client.last_error}")
-    return DraftRounds(client)
