@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from . import formats
 from .constants import IDENTITY_BYTES
 from .errors import BadFrameError
 
@@ -38,14 +39,17 @@ MARKOV_PREFIX: Final = "markov_head."
 # transformers) nests its text model's embedding.
 NESTED_TEXT_EMBEDDINGS: Final = ("model.language_model.embed_tokens.weight",
                                  "language_model.model.embed_tokens.weight")
+# Where such a target (Kimi-K3's, whose text model's tensors carry a ``language_model.``
+# prefix) keeps an untied head: looked for before the embedding is taken as a tied one.
+NESTED_TEXT_HEADS: Final = ("language_model.lm_head.weight",)
 # Tensors a DeepSpec drafter checkpoint may omit, and where a target checkpoint keeps them, first
 # match wins (a target with tied embeddings, Gemma-4's among them, has no lm_head.weight: the
 # embedding serves as both).
 TARGET_FALLBACKS: Final[dict[str, tuple[str, ...]]] = {
     "embed_tokens.weight": ("model.embed_tokens.weight", "embed_tokens.weight",
                             *NESTED_TEXT_EMBEDDINGS),
-    "lm_head.weight": ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight",
-                       *NESTED_TEXT_EMBEDDINGS),
+    "lm_head.weight": ("lm_head.weight", *NESTED_TEXT_HEADS, "model.embed_tokens.weight",
+                       "embed_tokens.weight", *NESTED_TEXT_EMBEDDINGS),
 }
 SINGLE_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
@@ -55,6 +59,8 @@ INDEX_FILE: Final = "model.safetensors.index.json"
 MAX_HEADER_BYTES: Final = 32 << 20
 # model.safetensors.index.json: a weight map of a few hundred thousand names.
 MAX_INDEX_BYTES: Final = 64 << 20
+# A drafter's config.json, read here only to learn which tensors its target supplies.
+MAX_CONFIG_BYTES: Final = 1 << 20
 # dspark_identity.json: two digests and a line per tensor.
 MAX_IDENTITY_FILE_BYTES: Final = 16 << 20
 # Hashing reads files through one buffer of this size: large enough that SHA-256, not the
@@ -212,25 +218,57 @@ def checkpoint_files(directory: Path) -> list[Path]:
     directory = Path(directory)
     index = directory / INDEX_FILE
     if index.exists():
-        record = load_json(read_small_file(index, MAX_INDEX_BYTES), index)
-        weight_map = record.get("weight_map") if isinstance(record, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(v, str) for v in weight_map.values()):
-            raise SafetensorsError(f"{index}: not a safetensors index (no weight_map of"
-                                   " tensor names to file names)", field="weight_map")
-        names = sorted(set(weight_map.values()))
-        for name in names:  # shards lie in the folder: no path leads out of it
-            if not name or name != Path(name).name or name in (".", ".."):
-                raise SafetensorsError(f"{index}: weight_map names {name!r}, not a file name"
-                                       " in the checkpoint folder", field="weight_map",
-                                       value=name)
-        return [directory / name for name in names]
+        return [directory / name for name in sorted(set(weight_map(index).values()))]
     if (directory / SINGLE_FILE).is_file():
         return [directory / SINGLE_FILE]
     found = sorted(directory.glob("*.safetensors"))
     if not found:
         raise SafetensorsError(f"{directory}: no safetensors files", field="checkpoint")
     return found
+
+
+def weight_map(index: Path) -> dict[str, str]:
+    """A safetensors index's map of tensor names to shard file names, each shard a plain file
+    name in the index's folder (no path leads out of it)."""
+    record = load_json(read_small_file(index, MAX_INDEX_BYTES), index)
+    mapping = record.get("weight_map") if isinstance(record, dict) else None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise SafetensorsError(f"{index}: not a safetensors index (no weight_map of"
+                               " tensor names to file names)", field="weight_map")
+    for name in sorted(set(mapping.values())):
+        if not name or name != Path(name).name or name in (".", ".."):
+            raise SafetensorsError(f"{index}: weight_map names {name!r}, not a file name"
+                                   " in the checkpoint folder", field="weight_map",
+                                   value=name)
+    return mapping
+
+
+def partial_tensor_index(directory: Path, names: Iterable[str]) -> dict[str, TensorRef]:
+    """Where those of ``names`` that a checkpoint folder holds lie, reading only what is
+    needed: in a sharded folder the index and the headers of the shards that hold them (a
+    target of hundreds of GB may be present on the drafter's host as its index and two
+    shards); otherwise every file's header. Names the folder lacks are left out."""
+    directory = Path(directory)
+    index = directory / INDEX_FILE
+    if not index.exists():
+        wanted = set(names)
+        return {n: r for n, r in tensor_index(checkpoint_files(directory)).items()
+                if n in wanted}
+    mapping = weight_map(index)
+    out: dict[str, TensorRef] = {}
+    headers: dict[str, dict[str, TensorRef]] = {}
+    for name in names:
+        shard = mapping.get(name)
+        if shard is None or name in out:
+            continue
+        if shard not in headers:
+            headers[shard] = read_header(directory / shard)
+        ref = headers[shard].get(name)
+        if ref is None:
+            raise SafetensorsError(f"{index}: names {shard} for tensor {name!r}, which that"
+                                   " shard does not hold", field=name, value=shard)
+        out[name] = ref
+    return out
 
 
 def tensor_index(paths: Iterable[Path]) -> dict[str, TensorRef]:
@@ -357,10 +395,13 @@ def drafter_refs(checkpoint: Path | str, target_checkpoint: Path | str | None = 
     ``lm_head`` taken from the target checkpoint folder when the drafter has none; either one
     missing from both is an error (``missing_target_tensor_message``). Headers only."""
     refs = tensor_index(checkpoint_files(Path(checkpoint)))
+    for name in target_owned(checkpoint):  # a copy in the drafter folder is never read
+        refs.pop(name, None)
     lacking = [name for name in TARGET_FALLBACKS if name not in refs]
     if not lacking:
         return refs
-    target = (tensor_index(checkpoint_files(Path(target_checkpoint)))
+    wanted = [src for name in lacking for src in TARGET_FALLBACKS[name]]
+    target = (partial_tensor_index(Path(target_checkpoint), wanted)
               if target_checkpoint is not None else None)
     refs = resolve_fallbacks(refs, target)
     for name in lacking:
@@ -369,6 +410,16 @@ def drafter_refs(checkpoint: Path | str, target_checkpoint: Path | str | None = 
                                                                  target_checkpoint),
                                    field=name)
     return refs
+
+
+def target_owned(checkpoint: Path | str) -> tuple[str, ...]:
+    """The drafter tensors its target supplies even where the folder holds a copy
+    (``formats.target_owned_tensors`` of its config.json; none without a config.json)."""
+    path = Path(checkpoint) / "config.json"
+    if not path.exists():
+        return ()
+    raw = load_json(read_small_file(path, MAX_CONFIG_BYTES), path)
+    return formats.target_owned_tensors(raw) if isinstance(raw, dict) else ()
 
 
 def identities_from_checkpoint(checkpoint: Path | str,

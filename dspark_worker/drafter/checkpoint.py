@@ -32,6 +32,7 @@ from protocol.identity import (
     drafter_refs,
     identities_from_arrays,
     open_regular,
+    target_owned,
     tensor_index,
     write_identity_file,
 )
@@ -110,6 +111,8 @@ def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Pa
     expected = expected_shapes(config)
     try:
         refs = tensor_index(checkpoint_files(directory))
+        for name in target_owned(directory):  # a shipped copy the target's tensor replaces
+            refs.pop(name, None)
         only_target = family.from_target(config)
         for name in TARGET_TENSORS:  # a family that names its target tensors owns the others
             if only_target and name not in only_target and name not in refs:
