@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from worker_harness import Client, WithReplay, check_vectors_and_batching, thread_worker
+import torch
+from safetensors.torch import load_file
+from worker_harness import (
+    Client,
+    WithReplay,
+    check_vectors_and_batching,
+    make_hello,
+    thread_worker,
+)
 
 from dspark_client.hello import hello_from_checkpoint
 from dspark_worker.drafter.step import EagerReplay
@@ -26,9 +34,6 @@ CASES = json.loads((DATA / "cases.json").read_text())
 
 
 def case_rows(name: str) -> tuple[list[dict[str, Any]], np.ndarray]:
-    import torch
-    from safetensors.torch import load_file
-
     cases = [c for c in CASES["cases"] if c["checkpoint"] == name]
     taps = load_file(str(DATA / "taps.safetensors"))
     rows = np.concatenate([taps[c["taps_key"]].view(torch.int16).numpy().view(np.uint8)
@@ -103,3 +108,36 @@ def test_the_qwen3_family_beside_it_is_unchanged() -> None:
         top_k=[0, 8, 32], temperature=[1.0, 0.8, 1.3], top_p=[0.0, 0.9, 0.0], seed=[1, 2, 3],
         generation=[0, 1, 2]))
     assert got.draft_ids.tolist() == QWEN3_IDS
+
+
+def test_our_own_vectors_over_many_steps() -> None:
+    """tools/gen_k3_vectors.py's cases (transformers' DeepSeek-V3 modules composed as vLLM
+    wires them): another head geometry, V = 2000, N = 4 and 9, ``sample_from_anchor`` false,
+    ``logit_scale``, a YaRN cos/sin factor other than 1, no RoPE keys, no confidence head; the
+    rows of each case go over a STEP per ``chunk`` rows (up to 500 rows: the ring of W = 128
+    wraps four times), then one drafting STEP."""
+    from dspark_worker.drafter import load_drafter
+
+    extra = json.loads((DATA / "cases_extra.json").read_text())
+    window = extra["window"]
+    taps = load_file(str(DATA / "taps_extra.safetensors"))
+    for name, meta in extra["checkpoints"].items():
+        d = load_drafter(DATA / name, DATA / meta["target"], record_identities=False)
+        cases = [k for k in extra["cases"] if k["checkpoint"] == name]
+        with thread_worker(d, window=window) as w, w.connect() as c:
+            assert c.hello(make_hello(d, window=window)).status == ST_OK
+            for slot, k in enumerate(cases):
+                rows = taps[k["taps_key"]].view(torch.int16).numpy().view(np.uint8)
+                first = k["anchor_pos"] - k["n_rows"]
+                for s in range(0, k["n_rows"], k["chunk"]):
+                    e = min(s + k["chunk"], k["n_rows"])
+                    entry = ReqEntry(slot=slot, generation=1, anchor_pos=first + e,
+                                     anchor_token=0, n_rows=e - s)
+                    assert c.step([entry], rows[s:e], d.row_bytes).status == ST_OK
+                probe = ReqEntry(slot=slot, generation=1, anchor_pos=k["anchor_pos"],
+                                 anchor_token=k["anchor_token"], flags=RF_NEED_DRAFT)
+                got = c.step([probe], b"", d.row_bytes).step()
+                assert got.draft_ids[0].tolist() == k["ids"], (name, k["case"])
+                np.testing.assert_allclose(got.confidence[0], k["confidence"], atol=1e-4)
+                assert got.margin is not None
+                np.testing.assert_allclose(got.margin[0], k["margin"], atol=1e-3)
