@@ -223,3 +223,19 @@ def test_bf16_on_the_cpu() -> None:
     np.testing.assert_allclose(got.confidence, ref.confidence, atol=2e-2)
     same = np.mean(got.draft_ids == np.array([k["ids"] for k in cases]))
     assert same >= 0.75, same
+
+
+def test_the_engines_hello_in_both_anchor_modes() -> None:
+    """hello_from_checkpoint reads a K3 config: N = block_size with and without
+    ``sample_from_anchor``, taps, tap width; and agrees with the worker's drafter."""
+    for name, geometry in (("extra_lead_scaled_v2000", (4, 2, 48, 2000)),
+                           ("extra_norope_keys_n9", (9, 4, 64, 500))):
+        target = DATA / f"{name}_target"
+        hello = hello_from_checkpoint(DATA / name, window=128, max_slots=2,
+                                      target_checkpoint=target)
+        d = load_drafter(DATA / name, target, record_identities=False)
+        assert (hello.num_spec, hello.n_taps, hello.hidden, hello.vocab_size) == geometry
+        assert (d.num_spec, d.n_taps, d.target_hidden, d.vocab_size) == geometry
+        assert hello.row_bytes == d.row_bytes == geometry[1] * geometry[2] * 2
+        assert (hello.drafter_identity, hello.markov_identity) == (d.drafter_identity,
+                                                                   d.markov_identity)
