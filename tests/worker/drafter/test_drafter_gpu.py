@@ -156,9 +156,17 @@ DFLASH_TINY = Path(__file__).resolve().parent / "data" / "dflash_tiny"
 DFLASH_GRAPHED = {"spec_dflash2_b5": "target", "extra_zlab2_scaled_yarn": "target_tied"}
 
 
+K3_TINY = Path(__file__).resolve().parent / "data" / "k3_tiny"
+# The K3 checkpoint with the most to capture: an anchor lead row, logit_scale, YaRN's factors.
+K3_GRAPHED = ("extra_lead_scaled_v2000",)
+
+
 def family_on_cuda(family: str, dtype: torch.dtype) -> Drafter:
     from dspark_worker.drafter import load_drafter
 
+    if family in K3_GRAPHED:
+        return load_drafter(K3_TINY / family, K3_TINY / f"{family}_target", device="cuda",
+                            dtype=dtype, record_identities=False)
     if family == "qwen3":
         return cuda_drafter(dtype)
     if family == "gemma4":
@@ -170,7 +178,8 @@ def family_on_cuda(family: str, dtype: torch.dtype) -> Drafter:
                         dtype=dtype)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma4", *SPECULATORS_GRAPHED, *DFLASH_GRAPHED])
+@pytest.mark.parametrize("family", ["qwen3", "gemma4", *SPECULATORS_GRAPHED, *DFLASH_GRAPHED,
+                                    *K3_GRAPHED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_capture_check_and_equal_eager(dtype: torch.dtype, family: str) -> None:
     """Every bucket captures and passes the start-up self-check (graph replay against the eager
@@ -273,6 +282,38 @@ def test_cuda_fp32_drafts_the_dflash_vectors() -> None:
             gpu = load_drafter(DFLASH_TINY / name, DFLASH_TINY / info["target"], device="cuda",
                                dtype=torch.float32, record_identities=False)
             pool = gpu.new_pool(len(cases), 32)
+            assert gpu.prepare_graphs(pool, 4).fallback is None
+            lanes = pool.allocate(len(cases))
+            rows = np.concatenate([taps[c["taps_key"]].view(torch.int16).numpy().view(np.uint8)
+                                   .reshape(c["n_rows"], -1) for c in cases])
+            anchors = [c["anchor_pos"] for c in cases]
+            pool.apply(lanes, anchors, [c["n_rows"] for c in cases], [True] * len(cases), rows)
+            graphs = gpu.graphs
+            for g in (graphs, None):
+                gpu.graphs = g
+                got = gpu.draft(pool, lanes, anchors, [c["anchor_token"] for c in cases])
+                for i, c in enumerate(cases):
+                    assert got.draft_ids[i].tolist() == c["ids"], (name, c["case"])
+                    np.testing.assert_allclose(got.margin[i], c["margin"], atol=1e-3, rtol=0)
+
+
+def test_cuda_fp32_drafts_the_k3_vectors() -> None:
+    """fp32 on CUDA drafts every Kimi-K3 case, shared and ours (ids exact, margins within
+    1e-3), eager and through the captured graphs; the rows of each case in one STEP."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from dspark_worker.drafter import load_drafter
+
+    for suffix in ("", "_extra"):
+        vectors = json.loads((K3_TINY / f"cases{suffix}.json").read_text())
+        taps = load_file(str(K3_TINY / f"taps{suffix}.safetensors"))
+        for name, info in vectors["checkpoints"].items():
+            cases = [c for c in vectors["cases"] if c["checkpoint"] == name]
+            gpu = load_drafter(K3_TINY / name, K3_TINY / info["target"], device="cuda",
+                               dtype=torch.float32, record_identities=False)
+            pool = gpu.new_pool(len(cases), vectors["window"])
             assert gpu.prepare_graphs(pool, 4).fallback is None
             lanes = pool.allocate(len(cases))
             rows = np.concatenate([taps[c["taps_key"]].view(torch.int16).numpy().view(np.uint8)
