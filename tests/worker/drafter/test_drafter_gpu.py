@@ -268,6 +268,13 @@ def test_cuda_graphs_of_the_candidate_walk(family: str) -> None:
 def test_cuda_fp32_drafts_the_dflash_vectors() -> None:
     """fp32 on CUDA drafts every DFlash case (ids exact, margins within 1e-3), eager and through
     the captured graphs."""
+    drafts_the_vectors_on_cuda(DFLASH_TINY, 32)
+
+
+def drafts_the_vectors_on_cuda(root: Path, window: int | None) -> None:
+    """Every case of ``root``'s cases.json and cases_extra.json in fp32 on CUDA, each in a lane
+    of its own with its rows in one apply, eager and through the captured graphs: ids exact,
+    margins within 1e-3. ``window``: the pool's W (None: the vectors' own)."""
     import json
 
     from safetensors.torch import load_file
@@ -275,13 +282,13 @@ def test_cuda_fp32_drafts_the_dflash_vectors() -> None:
     from dspark_worker.drafter import load_drafter
 
     for suffix in ("", "_extra"):
-        vectors = json.loads((DFLASH_TINY / f"cases{suffix}.json").read_text())
-        taps = load_file(str(DFLASH_TINY / f"taps{suffix}.safetensors"))
+        vectors = json.loads((root / f"cases{suffix}.json").read_text())
+        taps = load_file(str(root / f"taps{suffix}.safetensors"))
         for name, info in vectors["checkpoints"].items():
             cases = [c for c in vectors["cases"] if c["checkpoint"] == name]
-            gpu = load_drafter(DFLASH_TINY / name, DFLASH_TINY / info["target"], device="cuda",
+            gpu = load_drafter(root / name, root / info["target"], device="cuda",
                                dtype=torch.float32, record_identities=False)
-            pool = gpu.new_pool(len(cases), 32)
+            pool = gpu.new_pool(len(cases), window or vectors["window"])
             assert gpu.prepare_graphs(pool, 4).fallback is None
             lanes = pool.allocate(len(cases))
             rows = np.concatenate([taps[c["taps_key"]].view(torch.int16).numpy().view(np.uint8)
@@ -299,31 +306,5 @@ def test_cuda_fp32_drafts_the_dflash_vectors() -> None:
 
 def test_cuda_fp32_drafts_the_k3_vectors() -> None:
     """fp32 on CUDA drafts every Kimi-K3 case, shared and ours (ids exact, margins within
-    1e-3), eager and through the captured graphs; the rows of each case in one STEP."""
-    import json
-
-    from safetensors.torch import load_file
-
-    from dspark_worker.drafter import load_drafter
-
-    for suffix in ("", "_extra"):
-        vectors = json.loads((K3_TINY / f"cases{suffix}.json").read_text())
-        taps = load_file(str(K3_TINY / f"taps{suffix}.safetensors"))
-        for name, info in vectors["checkpoints"].items():
-            cases = [c for c in vectors["cases"] if c["checkpoint"] == name]
-            gpu = load_drafter(K3_TINY / name, K3_TINY / info["target"], device="cuda",
-                               dtype=torch.float32, record_identities=False)
-            pool = gpu.new_pool(len(cases), vectors["window"])
-            assert gpu.prepare_graphs(pool, 4).fallback is None
-            lanes = pool.allocate(len(cases))
-            rows = np.concatenate([taps[c["taps_key"]].view(torch.int16).numpy().view(np.uint8)
-                                   .reshape(c["n_rows"], -1) for c in cases])
-            anchors = [c["anchor_pos"] for c in cases]
-            pool.apply(lanes, anchors, [c["n_rows"] for c in cases], [True] * len(cases), rows)
-            graphs = gpu.graphs
-            for g in (graphs, None):
-                gpu.graphs = g
-                got = gpu.draft(pool, lanes, anchors, [c["anchor_token"] for c in cases])
-                for i, c in enumerate(cases):
-                    assert got.draft_ids[i].tolist() == c["ids"], (name, c["case"])
-                    np.testing.assert_allclose(got.margin[i], c["margin"], atol=1e-3, rtol=0)
+    1e-3), eager and through the captured graphs; the rows of each case in one apply."""
+    drafts_the_vectors_on_cuda(K3_TINY, None)
