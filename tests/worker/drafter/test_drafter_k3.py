@@ -239,3 +239,17 @@ def test_the_engines_hello_in_both_anchor_modes() -> None:
         assert hello.row_bytes == d.row_bytes == geometry[1] * geometry[2] * 2
         assert (hello.drafter_identity, hello.markov_identity) == (d.drafter_identity,
                                                                    d.markov_identity)
+
+
+def test_a_reload_across_ring_layouts_is_refused_by_its_planes() -> None:
+    """A version sharing the serving pool's rings must have its layout: a K3 drafter over a
+    Qwen3 pool (two planes of K and V) is refused naming the planes and the widths; one K3
+    drafter over another's pool of the same latent shares it."""
+    from dspark_worker.drafter import embedded_default
+
+    k3 = load_drafter(DATA / NAME, DATA / "target", record_identities=False)
+    with pytest.raises(ValueError, match=r"planes 1 \(serving 2\).*head_dim 24 \(serving 32\)"):
+        embedded_default().new_pool(2, 64).sibling(k3.model)
+    pool = k3.new_pool(2, 64)
+    copy = load_drafter(DATA / NAME, DATA / "target", record_identities=False)
+    assert pool.sibling(copy.model).kv.data_ptr() == pool.kv.data_ptr()
