@@ -253,3 +253,10 @@ def test_a_reload_across_ring_layouts_is_refused_by_its_planes() -> None:
     pool = k3.new_pool(2, 64)
     copy = load_drafter(DATA / NAME, DATA / "target", record_identities=False)
     assert pool.sibling(copy.model).kv.data_ptr() == pool.kv.data_ptr()
+
+
+def test_mla_sizes_are_bounded_as_they_are_read() -> None:
+    raw = {**raw_config(), "q_lora_rank": 1 << 20}
+    with pytest.raises(DrafterConfigError, match=r"q_lora_rank 1048576 is over 65536") as info:
+        parse_config(raw)
+    assert info.value.limit == 1 << 16
