@@ -25,7 +25,12 @@ time them):
   training defaults): d 4096, 5 layers, all sliding (window 2048, causal in the block),
   32/8 heads of 128, intermediate 12288, target vocab 151936 with a draft vocabulary of 32000
   (lm_head and Markov W2 over 32000, d2t back), 5 taps of hidden 4096, block 8 in the bonus
-  layout (N 7), Markov rank 256.
+  layout (N 7), Markov rank 256;
+- kimi-k3 (``Inferact/Kimi-K3-DSpark``): d 7168, 5 MLA layers of 64 heads (q_lora 1536,
+  kv_lora 512, nope 128, rope 64, v 128; DeepSeek-YaRN factor 32), intermediate 14336, vocab
+  163840, 5 taps of hidden 7168, Markov rank 256; W 4096 by default; its ring holds the
+  latent (576 values per layer and position). 2.4 G parameters of its own plus the target's
+  embedding and head (2.3 G): 9.5 GB in bf16, so on the CPU pass ``--dtype bf16``.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from dspark_worker.drafter import (
 )
 from dspark_worker.drafter.embedded import init_random_
 from dspark_worker.drafter.families import build_model
+from dspark_worker.drafter.k3 import K3Config
 
 QWEN3_4B = DrafterConfig(
     hidden_size=2560,
@@ -120,11 +126,43 @@ SPECULATORS_8B = SpeculatorsConfig(
     max_position_embeddings=40960,
 ).validated("speculators-8b shape")
 
+KIMI_K3 = K3Config(
+    hidden_size=7168,
+    num_hidden_layers=5,
+    num_attention_heads=64,
+    num_key_value_heads=1,  # the latent ring: one "head" ...
+    head_dim=576,  # ... of kv_lora 512 + rope 64
+    intermediate_size=14336,
+    vocab_size=163840,
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+    target_layer_ids=(2, 23, 47, 71, 89),
+    block_size=7,
+    mask_token_id=163837,
+    markov_rank=256,
+    markov_head_type="vanilla",
+    enable_confidence_head=True,
+    confidence_head_with_markov=True,
+    target_hidden_size=7168,
+    num_target_layers=93,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    rope_type="yarn",
+    rope_factor=32.0,
+    rope_original_max=32768,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+).validated("kimi-k3 shape")
+
 SHAPES: dict[str, tuple[DrafterConfig | None, tuple[int, ...], int]] = {
     "tiny": (None, (1, 16, 64), 256),
     "qwen3-4b": (QWEN3_4B, (1, 16, 64, 256), 1024),
     "gemma4-12b": (GEMMA4_12B, (1, 16, 64, 256), 1024),
     "speculators-8b": (SPECULATORS_8B, (1, 16, 64, 256), 1024),
+    "kimi-k3": (KIMI_K3, (1, 16, 64, 256), 4096),
 }
 STEP_ROWS = 4  # rows per lane in the "step ingest" measurement
 
@@ -247,7 +285,8 @@ def step_cost(drafter: Drafter, b: int, window: int) -> tuple[float, float]:
     attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * (window + rows)
     flops = 2.0 * b * (rows * layer_params + n * head) + b * rows * attn
     elem = torch.finfo(drafter.dtype).bits // 8
-    ring = b * window * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
+    ring = (b * window * drafter.model.ring_planes * c.num_hidden_layers
+            * c.num_key_value_heads * c.head_dim * elem)
     return flops, float((layer_params + head) * elem + ring)
 
 

@@ -3,10 +3,13 @@ goes, per round, between the client, the worker's host side and the device.
 
     python bench/bench_engine_round.py [--rounds 100] [--slots 64] [--rows 5] [--window 64]
                                        [--device cpu] [--threads 1] [--sampled] [--form list]
+                                       [--taps kimi-k3] [--resync-every 10] [--reconnect-at 50]
 
 The worker serves a small random drafter that reads Qwen3-4B-shaped taps (5 layers x 2560,
 bf16: 25,600-byte rows; ``bench_worker.taps_25600_checkpoint``, written to a temporary
-folder), so the rows are real-sized and the drafting cheap. Each of ``--slots`` slots resyncs
+folder; ``--taps kimi-k3``: a small random Kimi-K3 drafter reading Kimi-K3's taps, 5 x 7168:
+71,680-byte rows, with its target's embedding and head in a folder beside it), so the rows are
+real-sized and the drafting cheap. Each of ``--slots`` slots resyncs
 once (a prompt of W rows), then every round continues every slot with ``--rows`` new rows and
 asks for all N drafts. Over tcp:// and unix+shm:// in turn (and unix+shm:// with the rows put in
 ``DraftRounds.staging``, the region, before each round, as an engine's device-to-host copy
@@ -27,6 +30,12 @@ The worker's stage medians (STATS ``latency_us``) are printed beside them. ``--f
 makes the rounds through ``DraftRounds.run`` instead, one ``SlotRequest`` per slot whose rows
 are that slot's part of the round's array (built before the round is timed), over tcp:// and
 unix+shm://.
+
+``--resync-every R``: every R-th round a quarter of the slots (in turn) start a new generation,
+which the client resyncs with W rows from its ring beside the others' continuing rows.
+``--reconnect-at R``: at round R the client is closed and a new one connects (a new session,
+every slot resynced with W rows in its first round). Both print the rounds' p99 and maximum by
+kind (continuing, with resyncs, the reconnect's first) and the reconnect's time to ready.
 """
 
 from __future__ import annotations
@@ -71,15 +80,49 @@ def stats(client: RemoteDraftClient) -> dict[str, Any]:
     return dict(json.loads(body))
 
 
+def k3_taps_checkpoint(directory: str) -> tuple[str, str]:
+    """A small random Kimi-K3 drafter reading Kimi-K3's taps (5 x 7168, bf16: 71,680 bytes a
+    row) and its target's embedding and head: (drafter folder, target folder)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dspark_worker.drafter.checkpoint import save_checkpoint
+    from dspark_worker.drafter.embedded import init_random_
+    from dspark_worker.drafter.families import build_model
+    from dspark_worker.drafter.k3 import K3Config
+
+    cfg = K3Config(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=48, intermediate_size=256, vocab_size=512, rms_norm_eps=1e-5,
+        rope_theta=50000.0, target_layer_ids=(2, 23, 47, 71, 89), block_size=7,
+        mask_token_id=509, markov_rank=16, markov_head_type="vanilla",
+        enable_confidence_head=True, confidence_head_with_markov=True,
+        target_hidden_size=7168, num_target_layers=93, q_lora_rank=64, kv_lora_rank=32,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32).validated("taps-71680")
+    model = build_model(cfg, None, device=torch.device("cpu"), dtype=torch.float32)
+    init_random_(model, seed=1)
+    target = Path(directory) / "target"
+    target.mkdir(parents=True)
+    save_file({"model.embed_tokens.weight": model.embed_tokens.weight.contiguous(),
+               "lm_head.weight": model.lm_head.weight.contiguous()},
+              str(target / "model.safetensors"))
+    ckpt = str(Path(directory) / "ckpt")
+    save_checkpoint(model, ckpt, exclude=("embed_tokens.weight", "lm_head.weight"))
+    return ckpt, str(target)
+
+
 def run_endpoint(endpoint: str, ckpt: str, args: argparse.Namespace,
-                 in_staging: bool = False) -> dict[str, Any]:
+                 in_staging: bool = False, target: str | None = None) -> dict[str, Any]:
     """``in_staging``: each round's rows are first put (untimed) in ``DraftRounds.staging``,
     as an engine's device-to-host copy could land them there (the region on unix+shm://)."""
     n, k, W = args.slots, args.rows, args.window
     hello = hello_from_checkpoint(ckpt, window=W, max_slots=n, sampled=args.sampled,
                                   max_rows_per_step=n * W, client_name="bench-engine-round",
-                                  synthetic=True)  # made-up rows: kept out of acceptance
+                                  synthetic=True,  # made-up rows: kept out of acceptance
+                                  target_checkpoint=target)
     client = RemoteDraftClient(RemoteConfig(endpoint=endpoint, timeout_ms=60_000), hello)
+    kinds: dict[str, list[float]] = {"continue": [], "resync": [], "reconnect": []}
+    ready_ms = 0.0
     try:
         if not client.wait_ready(30.0):
             raise SystemExit(f"{endpoint}: {client.last_error}")
@@ -99,7 +142,29 @@ def run_endpoint(endpoint: str, ckpt: str, args: argparse.Namespace,
         # a buffer of its own each step).
         pool = [bf16_rows(rng, n * k, rb) for _ in range(4)]
         rounds_us, rtt_us, worker_us = [], [], []
+        generation = np.ones(n, np.int64)
         for r in range(args.warmup + args.rounds):
+            kind = "continue"
+            if args.reconnect_at and r == args.reconnect_at:
+                client.close()
+                t0 = time.perf_counter()
+                client = RemoteDraftClient(RemoteConfig(endpoint=endpoint, timeout_ms=60_000),
+                                           hello)
+                if not client.wait_ready(30.0):
+                    raise SystemExit(f"{endpoint}: reconnect: {client.last_error}")
+                ready_ms = (time.perf_counter() - t0) * 1e3
+                rounds = DraftRounds(client)  # the new session's ring: every slot resyncs
+                anchor += W
+                t0 = time.perf_counter()
+                res = rounds.run_batch(slots, generation, anchor, tokens, N,
+                                       bf16_rows(rng, n * W, rb), W, **sampling)
+                kinds["reconnect"].append((time.perf_counter() - t0) * 1e6)
+                if not res.ok:
+                    raise SystemExit(f"{endpoint}: reconnect round: {res.reason}")
+                continue
+            if args.resync_every and r and r % args.resync_every == 0:
+                generation[slots % 4 == (r // args.resync_every) % 4] += 1
+                kind = "resync"
             anchor += k
             w0 = client.stats.get("worker_us_total")
             t0 = time.perf_counter()
@@ -119,11 +184,12 @@ def run_endpoint(endpoint: str, ckpt: str, args: argparse.Namespace,
                 t0 = time.perf_counter()
                 res = rounds.run(reqs)
             else:
-                res = rounds.run_batch(slots, 1, anchor, tokens, N, rows, k, **sampling)
+                res = rounds.run_batch(slots, generation, anchor, tokens, N, rows, k, **sampling)
             t1 = time.perf_counter()
-            if not res.ok or res.resynced:
+            if not res.ok or bool(res.resynced) != (kind == "resync"):
                 raise SystemExit(f"{endpoint}: round {r}: {res.reason}, resynced {res.resynced}")
-            if r >= args.warmup:
+            kinds[kind].append((t1 - t0) * 1e6)
+            if r >= args.warmup and kind == "continue":
                 rounds_us.append((t1 - t0) * 1e6)
                 rtt_us.append(res.rtt_us)
                 worker_us.append(client.stats.get("worker_us_total") - w0)
@@ -142,6 +208,9 @@ def run_endpoint(endpoint: str, ckpt: str, args: argparse.Namespace,
     out["client_us"] = med(np.subtract(rounds_us, rtt_us).tolist())
     out["worker_host_us"] = host
     out["transport_us"] = out["rtt_us"] - out["worker_us"]
+    out["by_kind_us"] = {kind: {"rounds": len(v), "p50": med(v), "p99": float(
+        np.percentile(v, 99)), "max": max(v)} for kind, v in kinds.items() if v}
+    out["reconnect_ready_ms"] = ready_ms
     return out
 
 
@@ -157,12 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sampled", action="store_true", help="top_k 16 sampling on every slot")
     p.add_argument("--form", choices=("batch", "list"), default="batch",
                    help="batch: run_batch (default); list: run, one SlotRequest per slot")
+    p.add_argument("--taps", choices=("qwen3-4b", "kimi-k3"), default="qwen3-4b",
+                   help="the tap rows' shape: 25,600 or 71,680 bytes")
+    p.add_argument("--resync-every", type=int, default=0,
+                   help="every R-th round a quarter of the slots start a new generation")
+    p.add_argument("--reconnect-at", type=int, default=0,
+                   help="at round R a new client connects (every slot resynced)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="dspark-bench-")
-    ckpt = taps_25600_checkpoint(f"{tmp}/ckpt")
+    target: str | None = None
+    if args.taps == "kimi-k3":
+        ckpt, target = k3_taps_checkpoint(tmp)
+    else:
+        ckpt = taps_25600_checkpoint(f"{tmp}/ckpt")
     path = f"{tmp}/w.sock"
-    extra = ["--checkpoint", ckpt, "--window", str(args.window), "--max-slots",
+    extra = ["--checkpoint", ckpt, *(["--target-checkpoint", target] if target else []),
+             "--window", str(args.window), "--max-slots",
              str(args.slots), "--max-total-slots", str(2 * args.slots), "--max-rows-per-step",
              str(args.slots * args.window), "--device", args.device, "--threads",
              str(args.threads), "--metrics-listen", "none", "--log-level", "WARNING",
@@ -170,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with start_worker(*extra) as w:
         for endpoint in (f"tcp://{w.host}:{w.port}", f"unix+shm://{path}"):
-            results.append(run_endpoint(endpoint, ckpt, args))
+            results.append(run_endpoint(endpoint, ckpt, args, target=target))
         if args.form == "batch":
-            results.append(run_endpoint(f"unix+shm://{path}", ckpt, args, in_staging=True))
+            results.append(run_endpoint(f"unix+shm://{path}", ckpt, args, in_staging=True,
+                                        target=target))
         if w.stop() != 0:
             raise SystemExit("worker did not exit 0")
     if args.json:
@@ -190,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = " ".join(f"{r[key]:>7.0f} ({r[key] / r['round_us']:>4.0%})"
                          for key in ("client_us", "worker_host_us", "device_us", "transport_us"))
         print(f"{r['endpoint']:<26} {r['round_us']:>8.0f} | {cells}")
+    if args.resync_every or args.reconnect_at:
+        print("rounds by kind, us (count: p50 / p99 / max); reconnect ready ms")
+        for r in results:
+            cells = "; ".join(f"{kind} {v['rounds']}: {v['p50']:.0f} / {v['p99']:.0f} /"
+                              f" {v['max']:.0f}" for kind, v in r["by_kind_us"].items())
+            print(f"{r['endpoint']:<26} {cells}; ready {r['reconnect_ready_ms']:.0f}")
     print("worker stages, p50 us: " + "; ".join(
         f"{r['endpoint']}: " + ", ".join(f"{s} {v:.0f}" for s, v in r["stages_p50_us"].items())
         for r in results))

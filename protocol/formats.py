@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["DFLASH_ARCHITECTURES", "SPECULATORS_DFLASH", "SPECULATORS_DFLASH2", "ZLAB_DFLASH",
-           "ZLAB_DFLASH2", "dflash_format"]
+__all__ = ["DFLASH_ARCHITECTURES", "K3_ARCHITECTURES", "K3_MODEL_TYPES", "SPECULATORS_DFLASH",
+           "SPECULATORS_DFLASH2", "ZLAB_DFLASH", "ZLAB_DFLASH2", "dflash_format",
+           "target_owned_tensors"]
 
 SPECULATORS_DFLASH: Final = "speculators-dflash"
 SPECULATORS_DFLASH2: Final = "speculators-dflash2"
@@ -27,8 +28,13 @@ DFLASH_ARCHITECTURES: Final = {"DFlashDraftModel": ZLAB_DFLASH, "DFlash2DraftMod
 SPECULATORS_TYPES: Final = {"dflash": SPECULATORS_DFLASH, "dflash2": SPECULATORS_DFLASH2}
 # What marks a DeepSpec-layout DSpark drafter (whose config may spell its taps and mask id with
 # dflash_config aliases): its architecture, or a Markov or confidence head.
-DSPARK_ARCHITECTURES: Final = ("Qwen3DSparkModel", "Gemma4DSparkModel")
+DSPARK_ARCHITECTURES: Final = ("Qwen3DSparkModel", "Gemma4DSparkModel", "K3DSparkModel")
 DSPARK_HEAD_KEYS: Final = ("markov_rank", "dspark_markov_rank", "enable_confidence_head")
+# Kimi-K3 DSpark drafters (vLLM's K3DSparkModel): they ship a frozen copy of the target's
+# embedding that vLLM never uses; the target's own embedding and head draft.
+K3_MODEL_TYPES: Final = ("k3_dspark",)
+K3_ARCHITECTURES: Final = ("K3DSparkModel",)
+K3_TARGET_OWNED: Final = ("embed_tokens.weight",)
 
 
 def dflash_format(raw: Mapping[str, Any], source: str = "config.json") -> str | None:
@@ -52,3 +58,14 @@ def dflash_format(raw: Mapping[str, Any], source: str = "config.json") -> str | 
         f" drafter ({' or '.join(DFLASH_ARCHITECTURES)}: N = block_size - 1, after the anchor)"
         f" nor a DSpark one ({' or '.join(DSPARK_ARCHITECTURES)}: N = block_size); set"
         " architectures to say which")
+
+
+def target_owned_tensors(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """Drafter tensors always taken from the target checkpoint for this config.json, even where
+    the drafter folder holds a copy (a Kimi-K3 drafter's frozen ``embed_tokens``): the worker
+    loads and both sides hash the target's, so the copy is never read."""
+    archs = raw.get("architectures")
+    names = archs if isinstance(archs, list) else []
+    if raw.get("model_type") in K3_MODEL_TYPES or any(a in K3_ARCHITECTURES for a in names):
+        return K3_TARGET_OWNED
+    return ()

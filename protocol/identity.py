@@ -37,6 +37,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from . import formats
 from .constants import IDENTITY_BYTES
 from .errors import BadFrameError
 
@@ -48,14 +49,17 @@ NO_MARKOV_HEAD: Final = hashlib.sha256().digest()
 # transformers) nests its text model's embedding.
 NESTED_TEXT_EMBEDDINGS: Final = ("model.language_model.embed_tokens.weight",
                                  "language_model.model.embed_tokens.weight")
+# Where such a target (Kimi-K3's, whose text model's tensors carry a ``language_model.``
+# prefix) keeps an untied head: looked for before the embedding is taken as a tied one.
+NESTED_TEXT_HEADS: Final = ("language_model.lm_head.weight",)
 # Tensors a DeepSpec drafter checkpoint may omit, and where a target checkpoint keeps them, first
 # match wins (a target with tied embeddings, Gemma-4's among them, has no lm_head.weight: the
 # embedding serves as both).
 TARGET_FALLBACKS: Final[dict[str, tuple[str, ...]]] = {
     "embed_tokens.weight": ("model.embed_tokens.weight", "embed_tokens.weight",
                             *NESTED_TEXT_EMBEDDINGS),
-    "lm_head.weight": ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight",
-                       *NESTED_TEXT_EMBEDDINGS),
+    "lm_head.weight": ("lm_head.weight", *NESTED_TEXT_HEADS, "model.embed_tokens.weight",
+                       "embed_tokens.weight", *NESTED_TEXT_EMBEDDINGS),
 }
 SINGLE_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
@@ -497,26 +501,31 @@ def _weight_names(folder: CheckpointFolder) -> list[str]:
     """The safetensors files of a checkpoint folder: the shards named by its index, else
     ``model.safetensors``, else every ``*.safetensors`` file in it."""
     if folder.exists(INDEX_FILE):
-        index = folder / INDEX_FILE
-        record = load_json(folder.read_small(INDEX_FILE, MAX_INDEX_BYTES), index)
-        weight_map = record.get("weight_map") if isinstance(record, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(v, str) for v in weight_map.values()):
-            raise SafetensorsError(f"{index}: not a safetensors index (no weight_map of"
-                                   " tensor names to file names)", field="weight_map")
-        names = sorted(set(weight_map.values()))
-        for name in names:  # shards lie in the folder: no path leads out of it
-            if not name or name != Path(name).name or name in (".", ".."):
-                raise SafetensorsError(f"{index}: weight_map names {name!r}, not a file name"
-                                       " in the checkpoint folder", field="weight_map",
-                                       value=name)
-        return names
+        return sorted(set(weight_map(folder).values()))
     if folder.is_file(SINGLE_FILE):
         return [SINGLE_FILE]
     found = [n for n in folder.names() if n.endswith(".safetensors")]
     if not found:
         raise SafetensorsError(f"{folder.path}: no safetensors files", field="checkpoint")
     return found
+
+
+def weight_map(folder: CheckpointFolder) -> dict[str, str]:
+    """A held folder's safetensors index (read once, through the folder): its map of tensor
+    names to shard file names, each shard a plain file name in the folder (no path leads out
+    of it)."""
+    index = folder / INDEX_FILE
+    record = load_json(folder.read_small(INDEX_FILE, MAX_INDEX_BYTES), index)
+    mapping = record.get("weight_map") if isinstance(record, dict) else None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise SafetensorsError(f"{index}: not a safetensors index (no weight_map of"
+                               " tensor names to file names)", field="weight_map")
+    for name in sorted(set(mapping.values())):
+        if not name or name != Path(name).name or name in (".", ".."):
+            raise SafetensorsError(f"{index}: weight_map names {name!r}, not a file name"
+                                   " in the checkpoint folder", field="weight_map",
+                                   value=name)
+    return mapping
 
 
 def checkpoint_files(directory: Path | str | CheckpointFolder) -> list[Path]:
@@ -526,6 +535,34 @@ def checkpoint_files(directory: Path | str | CheckpointFolder) -> list[Path]:
         return [directory / name for name in _weight_names(directory)]
     with CheckpointFolder(directory) as folder:
         return [Path(directory) / name for name in _weight_names(folder)]
+
+
+def partial_tensor_index(folder: CheckpointFolder, names: Iterable[str]
+                         ) -> dict[str, TensorRef]:
+    """Where those of ``names`` that a held checkpoint folder holds lie, reading only what is
+    needed, through the folder: in a sharded folder the index and the headers of the shards
+    that hold them (a target of hundreds of GB may be present on the drafter's host as its
+    index and two shards); otherwise every file's header. Names the folder lacks are left
+    out."""
+    if not folder.exists(INDEX_FILE):
+        wanted = set(names)
+        return {n: r for n, r in tensor_index(folder).items() if n in wanted}
+    mapping = weight_map(folder)
+    out: dict[str, TensorRef] = {}
+    headers: dict[str, dict[str, TensorRef]] = {}
+    for name in names:
+        shard = mapping.get(name)
+        if shard is None or name in out:
+            continue
+        if shard not in headers:
+            headers[shard] = folder.header(shard)
+        ref = headers[shard].get(name)
+        if ref is None:
+            raise SafetensorsError(f"{folder / INDEX_FILE}: names {shard} for tensor"
+                                   f" {name!r}, which that shard does not hold", field=name,
+                                   value=shard)
+        out[name] = ref
+    return out
 
 
 def _merge(parts: Iterable[tuple[Path, dict[str, TensorRef]]]) -> dict[str, TensorRef]:
@@ -683,19 +720,25 @@ def drafter_refs(checkpoint: Path | str | CheckpointFolder,
                  ) -> dict[str, TensorRef]:
     """Where each tensor of a DeepSpec drafter checkpoint folder lies, ``embed_tokens`` and
     ``lm_head`` taken from the target checkpoint folder when the drafter has none; either one
-    missing from both is an error (``missing_target_tensor_message``). Headers only. Held
-    folders (``CheckpointFolder``, both of them) are read through, and so are the tensors
-    later; paths are opened for this call alone, and the tensors read by path again."""
+    missing from both is an error (``missing_target_tensor_message``). A tensor the target
+    always supplies (``target_owned``) is taken from it even where the drafter folder holds a
+    copy, and a sharded target is read through its index and only the shards it needs
+    (``partial_tensor_index``). Headers only. Held folders (``CheckpointFolder``, both of
+    them) are read through, and so are the tensors later; paths are opened for this call
+    alone, and the tensors read by path again."""
     if not isinstance(checkpoint, CheckpointFolder) or (
             target_checkpoint is not None
             and not isinstance(target_checkpoint, CheckpointFolder)):
         with held_folder(checkpoint) as folder, held_target(target_checkpoint) as target:
             return {n: ref.detached() for n, ref in drafter_refs(folder, target).items()}
     refs = tensor_index(checkpoint)
+    for name in target_owned(checkpoint):  # a copy in the drafter folder is never read
+        refs.pop(name, None)
     lacking = [name for name in TARGET_FALLBACKS if name not in refs]
     if not lacking:
         return refs
-    refs = resolve_fallbacks(refs, tensor_index(target_checkpoint)
+    wanted = [src for name in lacking for src in TARGET_FALLBACKS[name]]
+    refs = resolve_fallbacks(refs, partial_tensor_index(target_checkpoint, wanted)
                              if target_checkpoint is not None else None)
     for name in lacking:
         if name not in refs:
@@ -714,6 +757,14 @@ def read_config(folder: CheckpointFolder) -> dict[str, Any] | None:
         raise SafetensorsError(f"{folder / CONFIG_FILE}: the top level is"
                                f" {type(data).__name__}, not an object", field=CONFIG_FILE)
     return data
+
+
+def target_owned(folder: CheckpointFolder) -> tuple[str, ...]:
+    """The drafter tensors its target supplies even where the held folder holds a copy
+    (``formats.target_owned_tensors`` of its config.json, read through the folder; none
+    without a config.json)."""
+    raw = read_config(folder)
+    return formats.target_owned_tensors(raw) if raw is not None else ()
 
 
 def identities_from_checkpoint(checkpoint: Path | str | CheckpointFolder,

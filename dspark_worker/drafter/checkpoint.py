@@ -8,7 +8,9 @@ The tensors a drafter runs with are chosen once, by ``protocol.identity`` (its s
 header reader and its target fallbacks), and both the identity and the weights are read from
 exactly those byte ranges: what is hashed is what is loaded. From a target checkpoint only the
 two tensors needed are read (``model.embed_tokens.weight`` and ``lm_head.weight``, or the
-embedding twice for a target with tied embeddings).
+embedding twice for a target with tied embeddings), and of a sharded one only its index and
+the shards holding them. A family whose target always supplies a tensor (a Kimi-K3 drafter's
+embedding) never reads the drafter folder's copy of it (``protocol.identity.target_owned``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from protocol.identity import (
     identities_from_arrays,
     read_config,
     read_ref,
+    target_owned,
     tensor_index,
     write_identity_file,
 )
@@ -145,6 +148,8 @@ def _resolve(folder: CheckpointFolder, config: DrafterConfig,
     expected = expected_shapes(config)
     try:
         refs = tensor_index(folder)
+        for name in target_owned(folder):  # a shipped copy the target's tensor replaces
+            refs.pop(name, None)
         only_target = family.from_target(config)
         for name in TARGET_TENSORS:  # a family that names its target tensors owns the others
             if only_target and name not in only_target and name not in refs:

@@ -250,8 +250,9 @@ class Drafter:
                 a = int(anchor[i])
                 taps = torch.from_numpy(decode_bf16_rows(table, c.tap_width))  # [r, tap_width]
                 positions = torch.arange(a - r, a, dtype=torch.int64)  # [r]
-                k, v = model.project_context_kv(taps.to(self.device, self.dtype),
-                                                positions.to(self.device))  # [L, r, Hkv, D]
+                kv = model.project_context_kv(taps.to(self.device, self.dtype),
+                                              positions.to(self.device))  # [planes, L, r, ...]
+                k, v = kv[0], kv[-1]  # [L, r, Hkv, D] each (one plane: the same)
                 ctx = DenseContext(k.permute(0, 2, 1, 3).unsqueeze(1),  # [L, 1, Hkv, r, D]
                                    v.permute(0, 2, 1, 3).unsqueeze(1),
                                    torch.ones(1, r, dtype=torch.bool, device=self.device))

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from protocol import formats
 
-from . import dflash, gemma4, speculators
+from . import dflash, gemma4, k3, speculators
 from .config import DrafterConfig, DrafterConfigError, parse_qwen3_config, read_config_json
 from .model import DrafterModel, DraftModel, instantiate
 from .model import expected_shapes as qwen3_shapes
@@ -93,7 +93,16 @@ DFLASH = Family(
     explain_tensor=dflash.explain_tensor,
     check_folder=dflash.check_folder,
 )
-FAMILIES: tuple[Family, ...] = (QWEN3, GEMMA4, SPECULATORS, DFLASH)
+K3 = Family(
+    name="k3_dspark",
+    model_types=k3.MODEL_TYPES,
+    architectures=k3.ARCHITECTURES,
+    config_type=k3.K3Config,
+    parse=k3.parse_k3_config,
+    expected_shapes=k3.k3_shapes,
+    model_type=k3.K3DrafterModel,
+)
+FAMILIES: tuple[Family, ...] = (QWEN3, GEMMA4, SPECULATORS, DFLASH, K3)
 
 
 def detect_family(raw: Mapping[str, Any], source: str = "config.json") -> Family:

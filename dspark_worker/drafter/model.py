@@ -198,6 +198,9 @@ class DraftModel(nn.Module):
     markov_head: MarkovHead | None
     confidence_head: ConfidenceHead | None
     inv_freq: Tensor  # [hd/2] fp32, non-persistent (init_buffers)
+    # Tensors per ring slot: 2, K and V ([2, L, R, Hkv, D] from project_context_kv); 1 where
+    # one tensor serves as both (K3's latent).
+    ring_planes: int = 2
     confidence_temperature: Tensor  # [block_size] fp32, non-persistent (init_buffers)
 
     # -- buffers that are not weights --------------------------------------------------------
@@ -228,7 +231,7 @@ class DraftModel(nn.Module):
     def project_context_kv(self, taps: Tensor, positions: Tensor
                            ) -> Tensor:  # pragma: no cover - interface
         """taps [R, tap_width] (model dtype), positions [R] int64 -> the ring's K and V
-        [2, L, R, kv_heads, head_dim], non-finite values replaced by 0."""
+        [ring_planes, L, R, kv_heads, head_dim], non-finite values replaced by 0."""
         raise NotImplementedError
 
     def backbone(self, block_ids: Tensor, block_pos: Tensor,

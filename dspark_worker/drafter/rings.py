@@ -70,9 +70,10 @@ def plan_windows(start: IntArray, end: IntArray, anchor_pos: IntArray, n_rows: I
 class RingPool:
     """Projected context K/V for ``capacity_lanes`` lanes of ``window`` positions each.
 
-    ``k`` and ``v`` are [L, lanes, kv_heads, W, head_dim] in the model dtype, the two halves of
-    ``kv``, reserved up front (``nbytes``). Lane ids are numpy int64 arrays. Not thread-safe:
-    one owner (the runner)."""
+    ``k`` and ``v`` are [L, lanes, kv_heads, W, head_dim] in the model dtype, the two planes of
+    ``kv``, reserved up front (``nbytes``); a family whose K and V are one tensor (K3's latent,
+    ``DraftModel.ring_planes`` 1) has one plane, and ``k`` and ``v`` are both it. Lane ids are
+    numpy int64 arrays. Not thread-safe: one owner (the runner)."""
 
     def __init__(self, model: DraftModel, capacity_lanes: int, window: int) -> None:
         if capacity_lanes <= 0:
@@ -86,15 +87,16 @@ class RingPool:
         self.device = model.fc.weight.device
         self.dtype = model.fc.weight.dtype
         self.row_bytes = c.row_bytes
-        shape = (2, c.num_hidden_layers, self.capacity_lanes, c.num_key_value_heads,
+        self.planes = model.ring_planes
+        shape = (self.planes, c.num_hidden_layers, self.capacity_lanes, c.num_key_value_heads,
                  self.window, c.head_dim)
         # Zeros, not empty: masked slots are multiplied by 0 in attention and must be finite.
         # K and V in one tensor, so that one scatter writes both.
         self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [2, L, P, Hkv, W, D]
         self.k = self.kv[0]  # [L, P, Hkv, W, D]
-        self.v = self.kv[1]  # [L, P, Hkv, W, D]
+        self.v = self.kv[self.planes - 1]  # [L, P, Hkv, W, D]
         # Scatter indices that do not depend on the rows: K/V, layer, head.
-        self._kv_index = torch.arange(2, device=self.device).view(2, 1, 1, 1)
+        self._kv_index = torch.arange(self.planes, device=self.device).view(-1, 1, 1, 1)
         self._layer_index = torch.arange(c.num_hidden_layers, device=self.device).view(1, -1, 1, 1)
         self._head_index = torch.arange(c.num_key_value_heads, device=self.device).view(1, 1, 1,
                                                                                        -1)
@@ -107,22 +109,18 @@ class RingPool:
     # -- other drafters over the same rings ----------------------------------------------------
     @property
     def layout(self) -> tuple[Any, ...]:
-        """What a lane holds: layers, KV heads, W, head dim, dtype, device. Drafters of one
-        layout can share the ring memory (``sibling``)."""
-        c = self.model.config
-        return (c.num_hidden_layers, c.num_key_value_heads, self.window, c.head_dim,
-                self.dtype, self.device)
+        """What a lane holds: planes, layers, KV heads, W, head dim, dtype, device. Drafters
+        of one layout can share the ring memory (``sibling``)."""
+        return ring_layout(self.model, self.window)
 
     def sibling(self, model: DraftModel) -> RingPool:
         """A pool for ``model`` over this pool's ring memory and lanes: a lane allocated
         through either is taken in both, and each lane's K/V are projected by the drafter of
         the session holding it. ValueError when the model's ring layout differs (another
         count of layers or KV heads, head dim, dtype or device)."""
-        c = model.config
-        theirs = (c.num_hidden_layers, c.num_key_value_heads, self.window, c.head_dim,
-                  model.fc.weight.dtype, model.fc.weight.device)
+        theirs = ring_layout(model, self.window)
         if theirs != self.layout:
-            names = ("layers", "kv heads", "W", "head_dim", "dtype", "device")
+            names = ("planes", "layers", "kv heads", "W", "head_dim", "dtype", "device")
             diff = ", ".join(f"{n} {a} (serving {b})" for n, a, b
                              in zip(names, theirs, self.layout, strict=True) if a != b)
             raise ValueError(f"its ring layout differs: {diff}")
@@ -136,7 +134,8 @@ class RingPool:
     def bytes_per_lane(self) -> int:
         c = self.model.config
         elem = torch.finfo(self.dtype).bits // 8
-        return 2 * c.num_hidden_layers * self.window * c.num_key_value_heads * c.head_dim * elem
+        return (self.planes * c.num_hidden_layers * self.window * c.num_key_value_heads
+                * c.head_dim * elem)
 
     @property
     def nbytes(self) -> int:
@@ -307,6 +306,14 @@ class RingPool:
             bad = ids[~self._in_use[ids]]
             raise ValueError(f"lanes {bad.tolist()} are not allocated")
         return ids
+
+
+def ring_layout(model: DraftModel, window: int) -> tuple[Any, ...]:
+    """What one lane of ``model``'s rings holds: planes (2: K and V; 1: one latent), layers,
+    KV heads, W, head dim, dtype, device."""
+    c = model.config
+    return (model.ring_planes, c.num_hidden_layers, c.num_key_value_heads, window, c.head_dim,
+            model.fc.weight.dtype, model.fc.weight.device)
 
 
 class _Staging:

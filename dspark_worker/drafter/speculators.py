@@ -616,7 +616,8 @@ def llama3_inv_freq(inv_freq: Tensor, c: SpeculatorsConfig) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's m(factor, k): 1 up to factor 1, else 0.1 k ln(factor) + 1."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -630,11 +631,20 @@ def yarn_inv_freq(c: SpeculatorsConfig, device: torch.device) -> tuple[Tensor, f
     attention = c.rope_param("attention_factor")
     mscale, mscale_all = c.rope_param("mscale"), c.rope_param("mscale_all_dim")
     if attention is None:
-        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
-                     if mscale and mscale_all else _yarn_mscale(factor))
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else yarn_mscale(factor))
     beta_fast = c.rope_param("beta_fast") or 32.0
     beta_slow = c.rope_param("beta_slow") or 1.0
     truncate = bool(c.rope_param("truncate", 1.0))
+    return (yarn_frequencies(base, dim, factor, original, beta_fast, beta_slow, truncate,
+                             device), float(attention))
+
+
+def yarn_frequencies(base: float, dim: int, factor: float, original: float, beta_fast: float,
+                     beta_slow: float, truncate: bool, device: torch.device) -> Tensor:
+    """YaRN's inverse frequencies [dim / 2] fp32 (transformers' and vLLM's alike): each pair
+    blends interpolation (÷ factor) and extrapolation by a linear ramp between the correction
+    dimensions of ``beta_fast`` and ``beta_slow`` rotations over ``original`` positions."""
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -650,7 +660,8 @@ def yarn_inv_freq(c: SpeculatorsConfig, device: torch.device) -> tuple[Tensor, f
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low)
                        / (high - low), 0, 1)
     keep = 1 - ramp  # [hd/2] weight of extrapolation
-    return interpolation * (1 - keep) + extrapolation * keep, float(attention)
+    out: Tensor = interpolation * (1 - keep) + extrapolation * keep
+    return out
 
 
 # -- the network ------------------------------------------------------------------------------

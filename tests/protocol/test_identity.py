@@ -527,3 +527,39 @@ def test_a_fifo_or_a_folder_in_a_held_folder_is_refused_without_blocking(
         identities_from_checkpoint(folder)
     with pytest.raises(SafetensorsError, match="not a checkpoint directory"):
         CheckpointFolder(full_drafter / "config.json")
+
+
+def test_a_sharded_target_is_read_through_its_held_folder_and_only_the_shards_needed(
+        full_drafter: Path, bare_drafter: Path, tmp_path: Path) -> None:
+    """The target's index and the two shards holding its embedding and head are read through
+    the held folder: a shard it does not need is never opened (a FIFO there blocks nothing),
+    the folder's name switched mid-read changes nothing read, and a needed shard replaced
+    meanwhile is refused naming it."""
+    source = {"model.embed_tokens.weight": ALL["embed_tokens.weight"],
+              "lm_head.weight": ALL["lm_head.weight"], "model.norm.weight": TARGET_OTHER}
+    target = write_dir(tmp_path / "target", [["model.embed_tokens.weight"],
+                                              ["model.norm.weight"], ["lm_head.weight"]],
+                       source=source)
+    middle = target / "model-00002-of-00003.safetensors"
+    middle.unlink()
+    os.mkfifo(middle)
+    write_dir(tmp_path / "other", [list(source)], index=False,
+              source={**source, "lm_head.weight": ("F32", (10, 3), bytes(120))})
+    for d in (full_drafter, bare_drafter):
+        with_config(d)
+    want = identities_from_checkpoint(full_drafter, use_identity_file=False)
+    current = tmp_path / "current"
+    current.symlink_to("target")
+    with CheckpointFolder(bare_drafter) as drafter, CheckpointFolder(current) as held:
+        refs = drafter_refs(drafter, held)
+        current.unlink()
+        current.symlink_to("other")  # ln -sfn other current, mid-read
+        assert identities_from_refs(refs, CONFIG) == want
+        assert identities_from_checkpoint(drafter, current, use_identity_file=False) != want
+        held.check_unchanged()
+        last = target / "model-00003-of-00003.safetensors"
+        (target / "new").write_bytes(last.read_bytes())
+        os.replace(target / "new", last)
+        with pytest.raises(CheckpointChanged, match=CHANGED_WHILE_READ) as info:
+            held.check_unchanged()
+    assert str(info.value).startswith(f"{last.resolve()}: ")

@@ -156,9 +156,17 @@ DFLASH_TINY = Path(__file__).resolve().parent / "data" / "dflash_tiny"
 DFLASH_GRAPHED = {"spec_dflash2_b5": "target", "extra_zlab2_scaled_yarn": "target_tied"}
 
 
+K3_TINY = Path(__file__).resolve().parent / "data" / "k3_tiny"
+# The K3 checkpoint with the most to capture: an anchor lead row, logit_scale, YaRN's factors.
+K3_GRAPHED = ("extra_lead_scaled_v2000",)
+
+
 def family_on_cuda(family: str, dtype: torch.dtype) -> Drafter:
     from dspark_worker.drafter import load_drafter
 
+    if family in K3_GRAPHED:
+        return load_drafter(K3_TINY / family, K3_TINY / f"{family}_target", device="cuda",
+                            dtype=dtype, record_identities=False)
     if family == "qwen3":
         return cuda_drafter(dtype)
     if family == "gemma4":
@@ -170,7 +178,8 @@ def family_on_cuda(family: str, dtype: torch.dtype) -> Drafter:
                         dtype=dtype)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma4", *SPECULATORS_GRAPHED, *DFLASH_GRAPHED])
+@pytest.mark.parametrize("family", ["qwen3", "gemma4", *SPECULATORS_GRAPHED, *DFLASH_GRAPHED,
+                                    *K3_GRAPHED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_capture_check_and_equal_eager(dtype: torch.dtype, family: str) -> None:
     """Every bucket captures and passes the start-up self-check (graph replay against the eager
@@ -259,6 +268,13 @@ def test_cuda_graphs_of_the_candidate_walk(family: str) -> None:
 def test_cuda_fp32_drafts_the_dflash_vectors() -> None:
     """fp32 on CUDA drafts every DFlash case (ids exact, margins within 1e-3), eager and through
     the captured graphs."""
+    drafts_the_vectors_on_cuda(DFLASH_TINY, 32)
+
+
+def drafts_the_vectors_on_cuda(root: Path, window: int | None) -> None:
+    """Every case of ``root``'s cases.json and cases_extra.json in fp32 on CUDA, each in a lane
+    of its own with its rows in one apply, eager and through the captured graphs: ids exact,
+    margins within 1e-3. ``window``: the pool's W (None: the vectors' own)."""
     import json
 
     from safetensors.torch import load_file
@@ -266,13 +282,13 @@ def test_cuda_fp32_drafts_the_dflash_vectors() -> None:
     from dspark_worker.drafter import load_drafter
 
     for suffix in ("", "_extra"):
-        vectors = json.loads((DFLASH_TINY / f"cases{suffix}.json").read_text())
-        taps = load_file(str(DFLASH_TINY / f"taps{suffix}.safetensors"))
+        vectors = json.loads((root / f"cases{suffix}.json").read_text())
+        taps = load_file(str(root / f"taps{suffix}.safetensors"))
         for name, info in vectors["checkpoints"].items():
             cases = [c for c in vectors["cases"] if c["checkpoint"] == name]
-            gpu = load_drafter(DFLASH_TINY / name, DFLASH_TINY / info["target"], device="cuda",
+            gpu = load_drafter(root / name, root / info["target"], device="cuda",
                                dtype=torch.float32, record_identities=False)
-            pool = gpu.new_pool(len(cases), 32)
+            pool = gpu.new_pool(len(cases), window or vectors["window"])
             assert gpu.prepare_graphs(pool, 4).fallback is None
             lanes = pool.allocate(len(cases))
             rows = np.concatenate([taps[c["taps_key"]].view(torch.int16).numpy().view(np.uint8)
@@ -286,3 +302,9 @@ def test_cuda_fp32_drafts_the_dflash_vectors() -> None:
                 for i, c in enumerate(cases):
                     assert got.draft_ids[i].tolist() == c["ids"], (name, c["case"])
                     np.testing.assert_allclose(got.margin[i], c["margin"], atol=1e-3, rtol=0)
+
+
+def test_cuda_fp32_drafts_the_k3_vectors() -> None:
+    """fp32 on CUDA drafts every Kimi-K3 case, shared and ours (ids exact, margins within
+    1e-3), eager and through the captured graphs; the rows of each case in one apply."""
+    drafts_the_vectors_on_cuda(K3_TINY, None)
