@@ -14,10 +14,14 @@ format nor a DSpark drafter is refused rather than guessed.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["DFLASH_ARCHITECTURES", "SPECULATORS_DFLASH", "SPECULATORS_DFLASH2", "ZLAB_DFLASH",
-           "ZLAB_DFLASH2", "dflash_format"]
+from .identity import SafetensorsError, load_json, read_small_file
+
+__all__ = ["DFLASH_ARCHITECTURES", "MINIMAX_ARCHITECTURE", "SPECULATORS_DFLASH",
+           "SPECULATORS_DFLASH2", "ZLAB_DFLASH", "ZLAB_DFLASH2", "dflash_format",
+           "locate_drafter"]
 
 SPECULATORS_DFLASH: Final = "speculators-dflash"
 SPECULATORS_DFLASH2: Final = "speculators-dflash2"
@@ -29,6 +33,48 @@ SPECULATORS_TYPES: Final = {"dflash": SPECULATORS_DFLASH, "dflash2": SPECULATORS
 # dflash_config aliases): its architecture, or a Markov or confidence head.
 DSPARK_ARCHITECTURES: Final = ("Qwen3DSparkModel", "Gemma4DSparkModel")
 DSPARK_HEAD_KEYS: Final = ("markov_rank", "dspark_markov_rank", "enable_confidence_head")
+# MiniMax-M3's DSpark drafter: published standalone and as the ``dspark/`` subfolder of the
+# target's own folder (a target of these model types), where vLLM looks by default.
+MINIMAX_ARCHITECTURE: Final = "DSparkMiniMaxDraftModel"
+MINIMAX_TARGET_TYPES: Final = ("minimax_m3_vl", "minimax_m3_text")
+TARGET_SUBFOLDER: Final = "dspark"
+_CONFIG_BYTES: Final = 1 << 20  # a config.json read here (the worker's own bound)
+
+
+def _config(folder: Path) -> Mapping[str, Any] | None:
+    """The object in ``folder/config.json``, or None where there is none that reads (the
+    caller's own reader reports what is wrong with it)."""
+    path = folder / "config.json"
+    try:
+        raw = load_json(read_small_file(path, _CONFIG_BYTES), path)
+    except (OSError, SafetensorsError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _minimax_target(raw: Mapping[str, Any] | None) -> bool:
+    archs = raw.get("architectures") if raw is not None else None
+    return (raw is not None and raw.get("model_type") in MINIMAX_TARGET_TYPES
+            and not (isinstance(archs, list) and MINIMAX_ARCHITECTURE in archs))
+
+
+def locate_drafter(checkpoint: str | Path, target_checkpoint: str | Path | None = None
+                   ) -> tuple[Path, Path | None]:
+    """(the drafter's folder, the target's folder or None) for what an operator named: a
+    MiniMax-M3 target folder holding ``dspark/`` means that subfolder, with the target the
+    folder itself; a drafter in a target's ``dspark/`` subfolder takes its parent as the target
+    unless one is given. Any other folder is the drafter as named."""
+    folder = Path(checkpoint)
+    raw = _config(folder)
+    inner = folder / TARGET_SUBFOLDER
+    if _minimax_target(raw) and (inner / "config.json").is_file():
+        return inner, Path(target_checkpoint) if target_checkpoint is not None else folder
+    if target_checkpoint is None and folder.name == TARGET_SUBFOLDER and raw is not None:
+        archs = raw.get("architectures")
+        if (isinstance(archs, list) and MINIMAX_ARCHITECTURE in archs
+                and _minimax_target(_config(folder.parent))):
+            return folder, folder.parent
+    return folder, Path(target_checkpoint) if target_checkpoint is not None else None
 
 
 def dflash_format(raw: Mapping[str, Any], source: str = "config.json") -> str | None:

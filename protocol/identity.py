@@ -38,15 +38,22 @@ MARKOV_PREFIX: Final = "markov_head."
 # transformers) nests its text model's embedding.
 NESTED_TEXT_EMBEDDINGS: Final = ("model.language_model.embed_tokens.weight",
                                  "language_model.model.embed_tokens.weight")
+# Where an untied multimodal target (MiniMax-M3's VL wrapper) keeps its text model's head:
+# looked up before the embeddings, which only a tied target uses as its head.
+NESTED_TEXT_HEADS: Final = ("language_model.lm_head.weight",)
 # Tensors a DeepSpec drafter checkpoint may omit, and where a target checkpoint keeps them, first
 # match wins (a target with tied embeddings, Gemma-4's among them, has no lm_head.weight: the
 # embedding serves as both).
 TARGET_FALLBACKS: Final[dict[str, tuple[str, ...]]] = {
     "embed_tokens.weight": ("model.embed_tokens.weight", "embed_tokens.weight",
                             *NESTED_TEXT_EMBEDDINGS),
-    "lm_head.weight": ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight",
-                       *NESTED_TEXT_EMBEDDINGS),
+    "lm_head.weight": ("lm_head.weight", *NESTED_TEXT_HEADS, "model.embed_tokens.weight",
+                       "embed_tokens.weight", *NESTED_TEXT_EMBEDDINGS),
 }
+# Prefixes a drafter checkpoint may put before every tensor name (MiniMax-M3's DSpark drafter
+# keeps its tensors under the VL wrapper's text model): removed from every name when all of a
+# folder's tensors carry one, so that identities and layouts use the drafter's own names.
+DRAFTER_PREFIXES: Final = ("language_model.model.dspark.",)
 SINGLE_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
 # A safetensors JSON header larger than this is refused as malformed: a tensor's entry is about
@@ -245,6 +252,16 @@ def tensor_index(paths: Iterable[Path]) -> dict[str, TensorRef]:
     return out
 
 
+def drafter_tensors(directory: Path | str) -> dict[str, TensorRef]:
+    """Every tensor of a drafter checkpoint folder, by the drafter's own name: a prefix of
+    ``DRAFTER_PREFIXES`` that every name carries is removed."""
+    refs = tensor_index(checkpoint_files(Path(directory)))
+    for prefix in DRAFTER_PREFIXES:
+        if refs and all(name.startswith(prefix) for name in refs):
+            return {name.removeprefix(prefix): ref for name, ref in refs.items()}
+    return refs
+
+
 def _feed_head(h: Any, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
     h.update(name.encode("utf-8") + b"\0" + dtype.encode("ascii") + b"\0")
     h.update(struct.pack(f"<I{len(shape)}QQ", len(shape), *shape, nbytes))
@@ -356,7 +373,7 @@ def drafter_refs(checkpoint: Path | str, target_checkpoint: Path | str | None = 
     """Where each tensor of a DeepSpec drafter checkpoint folder lies, ``embed_tokens`` and
     ``lm_head`` taken from the target checkpoint folder when the drafter has none; either one
     missing from both is an error (``missing_target_tensor_message``). Headers only."""
-    refs = tensor_index(checkpoint_files(Path(checkpoint)))
+    refs = drafter_tensors(checkpoint)
     lacking = [name for name in TARGET_FALLBACKS if name not in refs]
     if not lacking:
         return refs

@@ -23,16 +23,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from protocol.formats import locate_drafter
 from protocol.identity import (
     INDEX_FILE,
     SINGLE_FILE,
     SafetensorsError,
     TensorRef,
-    checkpoint_files,
     drafter_refs,
+    drafter_tensors,
     identities_from_arrays,
     open_regular,
-    tensor_index,
     write_identity_file,
 )
 
@@ -40,6 +40,7 @@ from .config import DrafterConfig, DrafterConfigError
 from .families import expected_shapes, family_of, load_config
 from .limits import CheckpointRefused, check_host_memory
 from .model import DraftModel
+from .quant import STORED_DTYPES
 
 log = logging.getLogger("dspark_worker.checkpoint")
 
@@ -55,7 +56,7 @@ INDEX_TORCH_DTYPES: dict[str, torch.dtype] = {"I64": torch.int64, "I32": torch.i
                                               "BOOL": torch.bool}
 SAFETENSORS_DTYPES = {v: k for k, v in (TORCH_DTYPES | INDEX_TORCH_DTYPES).items()}
 DTYPE_BYTES: dict[str, int] = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4,
-                               "BOOL": 1}
+                               "BOOL": 1, "F8_E4M3": 1, "U8": 1}
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
@@ -76,7 +77,9 @@ class CheckpointError(CheckpointRefused):
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     config: DrafterConfig
-    tensors: dict[str, torch.Tensor]  # CPU, in the dtype stored in the files
+    # CPU, as the model takes them: in the dtype stored in the files, quantised weights
+    # dequantised (a family's ``model_tensors``)
+    tensors: dict[str, torch.Tensor]
     drafter_identity: bytes
     markov_identity: bytes
     files: tuple[Path, ...]  # every file a tensor was read from, target files included
@@ -85,8 +88,10 @@ class LoadedCheckpoint:
 def resolve_checkpoint(checkpoint: str | Path,
                        target_checkpoint: str | Path | None = None
                        ) -> tuple[DrafterConfig, dict[str, TensorRef]]:
-    """The config and where each drafter tensor lies, every name and shape checked."""
-    directory = Path(checkpoint)
+    """The config and where each drafter tensor lies, every name and shape checked. A
+    MiniMax-M3 target folder means its ``dspark/`` drafter (``protocol.formats.
+    locate_drafter``)."""
+    directory, target_checkpoint = locate_drafter(checkpoint, target_checkpoint)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a checkpoint directory")
     config = load_config(directory)
@@ -109,7 +114,7 @@ def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Pa
     family.check_folder(directory)
     expected = expected_shapes(config)
     try:
-        refs = tensor_index(checkpoint_files(directory))
+        refs = drafter_tensors(directory)
         only_target = family.from_target(config)
         for name in TARGET_TENSORS:  # a family that names its target tensors owns the others
             if only_target and name not in only_target and name not in refs:
@@ -125,7 +130,9 @@ def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Pa
                     f" {family.name} drafter takes from its target (pass --target-checkpoint);"
                     " remove it from the drafter checkpoint", tensor=name,
                     shape=refs[name].shape)
-        unexpected = sorted(set(refs) - set(expected))
+        optional = {name: shape for name, shape in family.optional_shapes(config).items()
+                    if name in refs}
+        unexpected = sorted(set(refs) - set(expected) - set(optional))
         if unexpected:
             what = family.explain_tensor(unexpected[0])
             raise CheckpointError(
@@ -141,7 +148,7 @@ def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Pa
         raise CheckpointError(str(exc), tensor=exc.field, value=exc.value,
                               limit=exc.limit) from None
     _log_target_tensors(refs, lacking, target_checkpoint)
-    for name, shape in expected.items():
+    for name, shape in (expected | optional).items():
         ref = refs.get(name)
         if ref is None:  # embed_tokens / lm_head: drafter_refs said so already
             raise CheckpointError(f"{directory}: missing tensor {name} (expected shape "
@@ -150,7 +157,8 @@ def _resolve(directory: Path, config: DrafterConfig, target_checkpoint: str | Pa
             raise CheckpointError(
                 f"{ref.path}: tensor {name} has shape {list(ref.shape)}, expected {list(shape)}",
                 tensor=name, shape=ref.shape, expected=shape)
-        allowed = tuple(family.index_dtypes.get(name, sorted(TORCH_DTYPES)))
+        allowed = (family.stored_dtypes(name)
+                   or tuple(family.index_dtypes.get(name, sorted(TORCH_DTYPES))))
         if ref.dtype not in allowed:
             raise CheckpointError(f"{ref.path}: tensor {name} has dtype {ref.dtype}; the drafter"
                                   f" loads {list(allowed)}", tensor=name)
@@ -197,6 +205,7 @@ def load_checkpoint(checkpoint: str | Path, target_checkpoint: str | Path | None
     ``target_checkpoint`` when the drafter has none. ``record_identities``: write
     ``dspark_identity.json`` beside it (when writable) so that engines need not hash the
     weights for their HELLO."""
+    checkpoint, target_checkpoint = locate_drafter(checkpoint, target_checkpoint)
     config, refs = resolve_checkpoint(checkpoint, target_checkpoint)
     tensors = {name: read_tensor(name, ref) for name, ref in refs.items()}
     family = family_of(config)
@@ -212,6 +221,8 @@ def load_checkpoint(checkpoint: str | Path, target_checkpoint: str | Path | None
     # what runs (hashing the files beside the loaded copy doubled the resident memory).
     drafter_id, markov_id = identities_from_arrays(
         {name: (ref.dtype, ref.shape, _raw_bytes(tensors[name])) for name, ref in refs.items()})
+    # Identities are of the tensors as stored; the model takes them dequantised and renamed.
+    tensors = family.model_tensors(config, tensors, str(checkpoint))
     if record_identities:
         written = write_identity_file(checkpoint, refs, (drafter_id, markov_id))
         log.info("identities %s", f"recorded in {written} for engines" if written else
@@ -259,7 +270,8 @@ def _log_target_tensors(refs: dict[str, TensorRef], lacking: list[str],
 
 def read_tensor(name: str, ref: TensorRef) -> torch.Tensor:
     """One tensor's bytes from its file (nothing else of the file is read)."""
-    dtype = TORCH_DTYPES.get(ref.dtype) or INDEX_TORCH_DTYPES[ref.dtype]
+    dtype = (TORCH_DTYPES.get(ref.dtype) or INDEX_TORCH_DTYPES.get(ref.dtype)
+             or STORED_DTYPES[ref.dtype])
     count = math.prod(ref.shape)
     nbytes = ref.end - ref.start
     if nbytes != count * DTYPE_BYTES[ref.dtype]:
