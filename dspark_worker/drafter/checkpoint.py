@@ -54,7 +54,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 # Index tensors (a reduced vocabulary's d2t / t2d) keep their integer dtype.
 INDEX_TORCH_DTYPES: dict[str, torch.dtype] = {"I64": torch.int64, "I32": torch.int32,
                                               "BOOL": torch.bool}
-SAFETENSORS_DTYPES = {v: k for k, v in (TORCH_DTYPES | INDEX_TORCH_DTYPES).items()}
+SAFETENSORS_DTYPES = {v: k for k, v in (TORCH_DTYPES | INDEX_TORCH_DTYPES | STORED_DTYPES).items()}
 DTYPE_BYTES: dict[str, int] = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4,
                                "BOOL": 1, "F8_E4M3": 1, "U8": 1}
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")

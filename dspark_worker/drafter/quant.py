@@ -41,6 +41,13 @@ SCALE_SUFFIX = "_scale_inv"  # "<linear>.weight" -> "<linear>.weight_scale_inv"
 CHUNK_ELEMENTS = 1 << 20
 
 
+def _spelled(dtype: torch.dtype) -> str:
+    """A torch dtype as safetensors spells it (BF16, F8_E4M3 ...)."""
+    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+             torch.float64: "F64", torch.float8_e4m3fn: MXFP8_VALUES, torch.uint8: MXFP8_SCALES}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def scale_name(weight: str) -> str:
     return weight + SCALE_SUFFIX
 
@@ -59,7 +66,7 @@ def dequantize_mxfp8(name: str, values: Tensor, scales: Tensor) -> Tensor:
     if values.dtype != torch.float8_e4m3fn or values.dim() != 2:
         raise CheckpointRefused(
             f"tensor {name}: MXFP8 values must be a 2-D F8_E4M3 matrix, not"
-            f" {str(values.dtype).removeprefix('torch.')} of shape {list(values.shape)}",
+            f" {_spelled(values.dtype)} of shape {list(values.shape)}",
             field=name, value=list(values.shape))
     rows, cols = values.shape
     if cols % MXFP8_BLOCK:
@@ -72,7 +79,7 @@ def dequantize_mxfp8(name: str, values: Tensor, scales: Tensor) -> Tensor:
         raise CheckpointRefused(
             f"tensor {sname}: E8M0 scales of {name} [{rows}, {cols}] must be U8 of shape"
             f" {list(want)} (one per 1 x {MXFP8_BLOCK} block along the input dimension), not"
-            f" {str(scales.dtype).removeprefix('torch.')} {list(scales.shape)}",
+            f" {_spelled(scales.dtype)} {list(scales.shape)}",
             field=sname, value=list(scales.shape), limit=list(want))
     low, high = EXACT_BF16_SCALES
     top = int(scales.max()) if scales.numel() else E8M0_BIAS
@@ -123,8 +130,8 @@ def dequantize_linears(tensors: MutableMapping[str, Tensor], weights: Iterable[s
         if scales is not None and not quantised:
             raise CheckpointRefused(
                 f"{source}: tensor {sname} holds MXFP8 scales but {name} is"
-                f" {str(weight.dtype).removeprefix('torch.')}, not F8_E4M3", field=sname,
-                value=str(weight.dtype).removeprefix("torch."), limit=MXFP8_VALUES)
+                f" {_spelled(weight.dtype)}, not F8_E4M3", field=sname,
+                value=_spelled(weight.dtype), limit=MXFP8_VALUES)
         if scales is None:
             continue
         try:
