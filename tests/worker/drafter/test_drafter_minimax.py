@@ -46,9 +46,23 @@ from dspark_worker.drafter.quant import dequantize_mxfp8
 from protocol.identity import drafter_refs
 
 DATA = Path(__file__).resolve().parent / "data" / "minimax_m3_tiny"
-RAW = json.loads((DATA / "cases.json").read_text())
-CHECKPOINTS: dict[str, Any] = RAW["checkpoints"]
-CASES: list[dict[str, Any]] = RAW["cases"]
+
+
+def vectors() -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]:
+    """The shared cases and the extra ones of tools/gen_minimax_vectors.py (MQA, mixed sliding
+    and full layers, a sharded MXFP8 checkpoint, the released SwiGLU limit, full rotary)."""
+    checkpoints: dict[str, Any] = {}
+    cases: list[dict[str, Any]] = []
+    taps_files: dict[str, str] = {}
+    for suffix in ("", "_extra"):
+        raw = json.loads((DATA / f"cases{suffix}.json").read_text())
+        checkpoints.update(raw["checkpoints"])
+        cases += raw["cases"]
+        taps_files[suffix] = raw["taps_file"]
+    return checkpoints, cases, taps_files
+
+
+CHECKPOINTS, CASES, TAPS_FILES = vectors()
 NAMES = sorted(CHECKPOINTS)
 W = 64
 PREFIX = "language_model.model.dspark."
@@ -63,7 +77,8 @@ def drafters() -> dict[str, Drafter]:
 @pytest.fixture(scope="module")
 def taps() -> dict[str, np.ndarray]:
     return {key: t.view(torch.int16).numpy().view(np.uint8).reshape(t.shape[0], -1)
-            for key, t in load_file(str(DATA / "taps.safetensors")).items()}
+            for name in TAPS_FILES.values()
+            for key, t in load_file(str(DATA / name)).items()}
 
 
 def mine(name: str) -> list[dict[str, Any]]:
@@ -135,7 +150,7 @@ def test_both_layouts_and_the_engines_hello(drafters: dict[str, Drafter], tmp_pa
     # a standalone drafter has no target of its own: said in the worker's words
     alone = tmp_path / "alone"
     shutil.copytree(DATA / "bf16_n6_w20", alone)
-    with pytest.raises(CheckpointRefused, match="no embed_tokens.weight"):
+    with pytest.raises(CheckpointRefused, match=r"no embed_tokens\.weight"):
         load_drafter(alone, record_identities=False)
 
 
