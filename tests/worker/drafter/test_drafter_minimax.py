@@ -155,10 +155,10 @@ def test_both_layouts_and_the_engines_hello(drafters: dict[str, Drafter], tmp_pa
 
 
 def test_static_step_equals_eager_and_the_reference(drafters: dict[str, Drafter]) -> None:
-    """The captured step's stand-in: five lanes (three padded) over rings of 16 rows that wrap
-    (past the window of 12), greedy and sampled (top-32): the static step equals the eager one
-    and both the reference on the rows each ring holds."""
-    d = drafters["m31_mxfp8_n7_w12"]
+    """The captured step's stand-in: five lanes (three padded) over rings of 16 rows that wrap,
+    greedy and sampled (top-32), MQA with sliding (S = 10) and full layers: the static step
+    equals the eager one and both the reference on the rows each ring holds."""
+    d = drafters["extra_mqa_mixed_sharded"]
     rng = np.random.default_rng(8)
     for window in (16,):
         pool = d.new_pool(8, window)
