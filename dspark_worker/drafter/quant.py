@@ -110,6 +110,18 @@ def dequantize_mxfp8(name: str, values: Tensor, scales: Tensor) -> Tensor:
     return out
 
 
+def quantize_mxfp8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(E4M3 values, E8M0 scales) of a dense weight [rows, cols] (cols a multiple of 32), as
+    vLLM's quantizer picks them: per block s = ceil(log2(amax / 448)) + 127, values rounded to
+    the nearest E4M3. For making checkpoints (benchmarks, tests); loading never calls it."""
+    rows, cols = weight.shape
+    blocks = weight.float().view(rows, cols // MXFP8_BLOCK, MXFP8_BLOCK)
+    amax = blocks.abs().amax(-1).clamp_min(2.0 ** -100)  # an all-zero block gets a tiny scale
+    s = (torch.ceil(torch.log2(amax / 448.0)) + E8M0_BIAS).clamp(*EXACT_BF16_SCALES)
+    values = (blocks / torch.exp2(s - E8M0_BIAS).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return values.view(rows, cols), s.to(torch.uint8)
+
+
 def dequantize_linears(tensors: MutableMapping[str, Tensor], weights: Iterable[str],
                        source: str) -> tuple[int, int, int]:
     """Replace, in ``tensors``, each of ``weights`` stored as MXFP8 by its dense weight and drop
