@@ -28,6 +28,7 @@ from dspark_client.config import RemoteConfig
 from dspark_client.hello import hello_from_checkpoint
 from protocol import wire
 from protocol.constants import IDENTITY_BYTES, NAME_BYTES
+from protocol.formats import locate_drafter
 from protocol.identity import (
     IDENTITY_FILE,
     SafetensorsError,
@@ -162,8 +163,9 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
     Following the worker's drafter (``follow_drafter``, 6.5) the HELLO names no identities,
     and nothing is read for them. ``identities_needed`` False: the caller wants the geometry
     alone (the weights are not hashed; a folder that could not give identities is still
-    refused)."""
-    path = Path(drafter)
+    refused). A MiniMax-M3 target's folder means its ``dspark/`` drafter
+    (``protocol.formats.locate_drafter``)."""
+    path, own_target = locate_drafter(drafter)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: no config.json; remote_dspark's model is the drafter's"
                          " folder on this host (its config.json, and its weights or the"
@@ -184,7 +186,8 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
         identities = none
     hello = hello_from_checkpoint(
         path, window=opts.window, max_slots=max_slots, max_rows_per_step=opts.max_rows_per_step,
-        client_name=client_name, target_checkpoint=opts.target_checkpoint or target_checkpoint,
+        client_name=client_name,
+        target_checkpoint=opts.target_checkpoint or target_checkpoint or own_target,
         target_hidden_size=target_hidden_size, draft_topk=draft_topk, identities=identities)
     if hello.hidden != target_hidden_size:
         raise ValueError(f"{path}/config.json drafts for a target of hidden size"

@@ -141,6 +141,13 @@ def test_both_layouts_and_the_engines_hello(drafters: dict[str, Drafter], tmp_pa
         h = hello_from_checkpoint(where, window=W, max_slots=4, target_checkpoint=target_dir)
         assert (h.drafter_identity, h.num_spec) == (inner.drafter_identity, 5), where
         assert tap_layers(where) == (0, 2, 4)
+    # the engine adapters' HELLO (vLLM's plugin): the served model's folder names the drafter
+    from dspark_client.adapter.options import drafter_hello, parse_options
+
+    h = drafter_hello(DATA / "target", parse_options({"endpoint": "tcp://127.0.0.1:1"}),
+                      max_slots=1, client_name="", target_hidden_size=64)
+    assert (h.drafter_identity, h.markov_identity) == (inner.drafter_identity,
+                                                       inner.markov_identity)
     again = load_drafter(DATA / "target", record_identities=False)
     assert again.drafter_identity == inner.drafter_identity
     refs = drafter_refs(DATA / "m31_mxfp8_n7_w12", DATA / "target")
