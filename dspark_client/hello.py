@@ -24,7 +24,7 @@ always comes from the target checkpoint. A z-lab DFlash drafter (``architectures
 ``embed_tokens`` and ``lm_head`` are the target's. A MiniMax-M3 drafter (``architectures``
 ``DSparkMiniMaxDraftModel``) keeps its keys in ``text_config``; ``checkpoint`` may name the
 target's folder, whose ``dspark/`` subfolder holds the drafter (the target is then that folder,
-``protocol.formats.locate_drafter``).
+``protocol.formats.held_drafter``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The Qwen3 drafter built from MiniMax-M3 parts. What differs, and nothing else:
   every model key inside ``text_config`` (DSpark's keys spelled ``dspark_*``); the MLP width is
   ``dspark_ffn_hidden_size``, never ``intermediate_size`` (the target's expert width);
 - the folder is standalone or the target's ``dspark/`` subfolder (``protocol.formats.
-  locate_drafter``); tensors are named ``language_model.model.dspark.<name>`` (the prefix is
+  held_drafter``); tensors are named ``language_model.model.dspark.<name>`` (the prefix is
   dropped on reading, ``protocol.identity.drafter_tensors``) with a ``.decoder_layer.`` infix
   per layer and ``final_norm``; the embedding and the head are always the target's
   (``language_model.model.embed_tokens.weight``, ``language_model.lm_head.weight``: untied);
