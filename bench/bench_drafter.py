@@ -31,6 +31,11 @@ time them):
   163840, 5 taps of hidden 7168, Markov rank 256; W 4096 by default; its ring holds the
   latent (576 values per layer and position). 2.4 G parameters of its own plus the target's
   embedding and head (2.3 G): 9.5 GB in bf16, so on the CPU pass ``--dtype bf16``.
+- minimax-m3 (the released MiniMax-M3.1 DSpark drafter, MXFP8 on disk, dequantised to bf16):
+  d 6144, 5 layers, all sliding (window 4096, per query row), 64/4 heads of 128 with partial
+  RoPE (64 of 128), clamped SwiGLU of 12288, vocab 200064, 5 taps of hidden 6144 (the last
+  target layer among them), N 7, Markov rank 256; 1.96 G parameters (3.9 GB in bf16, 4.9 GB
+  more for the target's embedding and head). W defaults to 4096: every row a window reads.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from dspark_worker.drafter import (
 from dspark_worker.drafter.embedded import init_random_
 from dspark_worker.drafter.families import build_model
 from dspark_worker.drafter.k3 import K3Config
+from dspark_worker.drafter.minimax import MiniMaxConfig
 
 QWEN3_4B = DrafterConfig(
     hidden_size=2560,
@@ -157,12 +163,40 @@ KIMI_K3 = K3Config(
     mscale_all_dim=1.0,
 ).validated("kimi-k3 shape")
 
+MINIMAX_M3 = MiniMaxConfig(
+    hidden_size=6144,
+    num_hidden_layers=5,
+    num_attention_heads=64,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=12288,  # dspark_ffn_hidden_size
+    vocab_size=200064,
+    rms_norm_eps=1e-6,
+    rope_theta=5e6,
+    target_layer_ids=(3, 17, 31, 45, 59),
+    block_size=7,
+    mask_token_id=200058,
+    markov_rank=256,
+    markov_head_type="vanilla",
+    enable_confidence_head=True,
+    confidence_head_with_markov=True,
+    target_hidden_size=6144,
+    rotary_dim=64,
+    partial_rotary_factor=0.5,
+    swiglu_alpha=1.702,
+    swiglu_limit=7.0,
+    sliding_window=4096,
+    layer_types=("sliding_attention",) * 5,
+    quantization="mxfp8",
+).validated("minimax-m3 shape")
+
 SHAPES: dict[str, tuple[DrafterConfig | None, tuple[int, ...], int]] = {
     "tiny": (None, (1, 16, 64), 256),
     "qwen3-4b": (QWEN3_4B, (1, 16, 64, 256), 1024),
     "gemma4-12b": (GEMMA4_12B, (1, 16, 64, 256), 1024),
     "speculators-8b": (SPECULATORS_8B, (1, 16, 64, 256), 1024),
     "kimi-k3": (KIMI_K3, (1, 16, 64, 256), 4096),
+    "minimax-m3": (MINIMAX_M3, (1, 16, 64), 4096),
 }
 STEP_ROWS = 4  # rows per lane in the "step ingest" measurement
 

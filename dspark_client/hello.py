@@ -21,7 +21,10 @@ indices, one above the layer numbering taps use here (``tap_layers``). Its ``emb
 always comes from the target checkpoint. A z-lab DFlash drafter (``architectures``
 ``DFlashDraftModel`` / ``DFlash2DraftModel``, ``protocol.formats``) is a Qwen3 config with a
 ``dflash_config``: N is ``block_size - 1``, its ``target_layer_ids`` are taps as they are, and its
-``embed_tokens`` and ``lm_head`` are the target's.
+``embed_tokens`` and ``lm_head`` are the target's. A MiniMax-M3 drafter (``architectures``
+``DSparkMiniMaxDraftModel``) keeps its keys in ``text_config``; ``checkpoint`` may name the
+target's folder, whose ``dspark/`` subfolder holds the drafter (the target is then that folder,
+``protocol.formats.held_drafter``).
 """
 
 from __future__ import annotations
@@ -101,6 +104,16 @@ def _geometry(cfg: dict[str, Any], cfg_path: Path) -> tuple[int, int, list[int],
     """(num_spec, vocab_size, tap layers, hidden or None) of a drafter config.json; tap layers
     in DeepSpec numbering (the output of decoder layer i; -1 the embedding output)."""
     kind = cfg.get("speculators_model_type")
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and formats.MINIMAX_ARCHITECTURE in archs:
+        # a VL wrapper: every model key in text_config; taps numbered as DeepSpec's
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"{cfg_path}: text_config is missing or not an object")
+        taps = _field(text, cfg_path, "dspark_target_layer_ids")
+        return (int(_field(text, cfg_path, "block_size", "dspark_block_size")),
+                int(_field(text, cfg_path, "vocab_size")), [int(t) for t in taps],
+                int(_field(text, cfg_path, "hidden_size")))
     fmt = formats.dflash_format(cfg, str(cfg_path))
     if fmt in (formats.ZLAB_DFLASH, formats.ZLAB_DFLASH2):
         # a Qwen3Config dump: the geometry at the top level, dflash_config's values first; taps
@@ -136,7 +149,8 @@ def tap_layers(checkpoint: str | Path) -> tuple[int, ...]:
     """The target layers whose outputs an engine captures for this drafter, in order, numbered
     as DeepSpec's ``target_layer_ids`` (decoder layer i's output; -1 the embedding output); a
     speculators checkpoint's ``aux_hidden_state_layer_ids`` less one."""
-    cfg, cfg_path = _read_config(checkpoint)
+    with formats.held_drafter(checkpoint) as (folder, _target):
+        cfg, cfg_path = _read_config(folder)
     return tuple(_geometry(cfg, cfg_path)[2])
 
 
@@ -160,18 +174,21 @@ def hello_from_checkpoint(checkpoint: str | Path, *, window: int, max_slots: int
     session out of its acceptance figures. identities: the (drafter, Markov) identities when
     the caller has them without the weights (a worker's ``dspark_identity.json`` copied to the
     engine host); None: from the checkpoint's files."""
-    with held_folder(checkpoint) as folder:  # config and weights read from one folder
+    # config and weights read from one folder: a MiniMax-M3 target's dspark/ found once
+    with formats.held_drafter(checkpoint) as (folder, own_target):
         return _hello(folder, window=window, max_slots=max_slots,
                       max_rows_per_step=max_rows_per_step, sampled=sampled,
-                      client_name=client_name, target_checkpoint=target_checkpoint,
+                      client_name=client_name,
+                      target_checkpoint=own_target if target_checkpoint is None
+                      else target_checkpoint,
                       target_hidden_size=target_hidden_size, draft_topk=draft_topk,
                       synthetic=synthetic, identities=identities)
 
 
 def _hello(folder: CheckpointFolder, *, window: int, max_slots: int,
            max_rows_per_step: int | None, sampled: bool, client_name: str,
-           target_checkpoint: str | Path | None, target_hidden_size: int | None,
-           draft_topk: int | None, synthetic: bool,
+           target_checkpoint: str | Path | CheckpointFolder | None,
+           target_hidden_size: int | None, draft_topk: int | None, synthetic: bool,
            identities: tuple[bytes, bytes] | None) -> wire.Hello:
     cfg, cfg_path = _read_config(folder)
     num_spec, vocab, taps, config_hidden = _geometry(cfg, cfg_path)

@@ -13,12 +13,24 @@ format nor a DSpark drafter is refused rather than guessed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["DFLASH_ARCHITECTURES", "K3_ARCHITECTURES", "K3_MODEL_TYPES", "SPECULATORS_DFLASH",
-           "SPECULATORS_DFLASH2", "ZLAB_DFLASH", "ZLAB_DFLASH2", "dflash_format",
-           "target_owned_tensors"]
+from .identity import (
+    CONFIG_FILE,
+    CheckpointFolder,
+    SafetensorsError,
+    held_folder,
+    held_target,
+    read_config,
+)
+
+__all__ = ["DFLASH_ARCHITECTURES", "K3_ARCHITECTURES", "K3_MODEL_TYPES",
+           "MINIMAX_ARCHITECTURE", "SPECULATORS_DFLASH", "SPECULATORS_DFLASH2",
+           "ZLAB_DFLASH", "ZLAB_DFLASH2", "dflash_format", "held_drafter",
+           "locate_drafter", "target_owned_tensors"]
 
 SPECULATORS_DFLASH: Final = "speculators-dflash"
 SPECULATORS_DFLASH2: Final = "speculators-dflash2"
@@ -35,6 +47,83 @@ DSPARK_HEAD_KEYS: Final = ("markov_rank", "dspark_markov_rank", "enable_confiden
 K3_MODEL_TYPES: Final = ("k3_dspark",)
 K3_ARCHITECTURES: Final = ("K3DSparkModel",)
 K3_TARGET_OWNED: Final = ("embed_tokens.weight",)
+# MiniMax-M3's DSpark drafter: published standalone and as the ``dspark/`` subfolder of the
+# target's own folder (a target of these model types), where vLLM looks by default.
+MINIMAX_ARCHITECTURE: Final = "DSparkMiniMaxDraftModel"
+MINIMAX_TARGET_TYPES: Final = ("minimax_m3_vl", "minimax_m3_text")
+TARGET_SUBFOLDER: Final = "dspark"
+
+
+def _config(folder: CheckpointFolder) -> Mapping[str, Any] | None:
+    """The object in a held folder's config.json (read once: the reads after this one are of
+    the same bytes), or None where there is none that reads (the caller's own reader reports
+    what is wrong with it)."""
+    try:
+        return read_config(folder)
+    except SafetensorsError:
+        return None
+
+
+def _minimax_target(raw: Mapping[str, Any] | None) -> bool:
+    archs = raw.get("architectures") if raw is not None else None
+    return (raw is not None and raw.get("model_type") in MINIMAX_TARGET_TYPES
+            and not (isinstance(archs, list) and MINIMAX_ARCHITECTURE in archs))
+
+
+def _minimax_drafter(raw: Mapping[str, Any] | None) -> bool:
+    archs = raw.get("architectures") if raw is not None else None
+    return isinstance(archs, list) and MINIMAX_ARCHITECTURE in archs
+
+
+def _opened(stack: contextlib.ExitStack, open_folder: Callable[[], CheckpointFolder]
+            ) -> CheckpointFolder | None:
+    try:
+        return stack.enter_context(open_folder())
+    except SafetensorsError:
+        return None
+
+
+@contextlib.contextmanager
+def held_drafter(checkpoint: str | Path | CheckpointFolder,
+                 target_checkpoint: str | Path | CheckpointFolder | None = None
+                 ) -> Iterator[tuple[CheckpointFolder, CheckpointFolder | None]]:
+    """(the drafter's folder, the target's folder or None), held for the ``with`` block, for
+    what an operator named: a MiniMax-M3 target folder holding ``dspark/`` means that
+    subfolder, with the target the folder itself unless one is given; a MiniMax-M3 drafter in
+    a target's ``dspark/`` subfolder takes that target as its own unless one is given. Any
+    other folder is the drafter as named. The folder named is opened once, and the subfolder
+    or the parent is opened through its descriptor (``CheckpointFolder.subfolder``,
+    ``parent``), so every file read after comes from the folders found here. Raises
+    SafetensorsError for a folder that cannot be opened."""
+    with (held_folder(checkpoint) as named, held_target(target_checkpoint) as target,
+          contextlib.ExitStack() as stack):
+        drafter, raw = named, _config(named)
+        if _minimax_target(raw) and named.exists(TARGET_SUBFOLDER):
+            inner = _opened(stack, lambda: named.subfolder(TARGET_SUBFOLDER))
+            if inner is not None and inner.is_file(CONFIG_FILE):
+                drafter, target = inner, named if target is None else target
+        elif (target is None and named.path.name == TARGET_SUBFOLDER
+              and _minimax_drafter(raw)):
+            parent = _opened(stack, named.parent)
+            if parent is not None and _minimax_target(_config(parent)):
+                target = parent
+        yield drafter, target
+
+
+def locate_drafter(checkpoint: str | Path, target_checkpoint: str | Path | None = None
+                   ) -> tuple[Path, Path | None]:
+    """``held_drafter``'s folders as paths (as given, the found one under the given name),
+    for a caller that checks the folder before reading it; a folder that cannot be opened is
+    returned as named (the caller's own reader reports it)."""
+    try:
+        with held_drafter(checkpoint) as (drafter, target):
+            found = target.given if target is not None else None
+            if target_checkpoint is not None:
+                found = Path(target_checkpoint)
+            return drafter.given, found
+    except SafetensorsError:
+        return Path(checkpoint), (Path(target_checkpoint) if target_checkpoint is not None
+                                  else None)
 
 
 def dflash_format(raw: Mapping[str, Any], source: str = "config.json") -> str | None:

@@ -37,7 +37,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from . import formats
 from .constants import IDENTITY_BYTES
 from .errors import BadFrameError
 
@@ -49,8 +48,9 @@ NO_MARKOV_HEAD: Final = hashlib.sha256().digest()
 # transformers) nests its text model's embedding.
 NESTED_TEXT_EMBEDDINGS: Final = ("model.language_model.embed_tokens.weight",
                                  "language_model.model.embed_tokens.weight")
-# Where such a target (Kimi-K3's, whose text model's tensors carry a ``language_model.``
-# prefix) keeps an untied head: looked for before the embedding is taken as a tied one.
+# Where such a target keeps an untied head (Kimi-K3's, whose text model's tensors carry a
+# ``language_model.`` prefix; MiniMax-M3's VL wrapper): looked up before the embeddings,
+# which only a tied target uses as its head.
 NESTED_TEXT_HEADS: Final = ("language_model.lm_head.weight",)
 # Tensors a DeepSpec drafter checkpoint may omit, and where a target checkpoint keeps them, first
 # match wins (a target with tied embeddings, Gemma-4's among them, has no lm_head.weight: the
@@ -61,6 +61,10 @@ TARGET_FALLBACKS: Final[dict[str, tuple[str, ...]]] = {
     "lm_head.weight": ("lm_head.weight", *NESTED_TEXT_HEADS, "model.embed_tokens.weight",
                        "embed_tokens.weight", *NESTED_TEXT_EMBEDDINGS),
 }
+# Prefixes a drafter checkpoint may put before every tensor name (MiniMax-M3's DSpark drafter
+# keeps its tensors under the VL wrapper's text model): removed from every name when all of a
+# folder's tensors carry one, so that identities and layouts use the drafter's own names.
+DRAFTER_PREFIXES: Final = ("language_model.model.dspark.",)
 SINGLE_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
 # A safetensors JSON header larger than this is refused as malformed: a tensor's entry is about
@@ -328,12 +332,16 @@ class CheckpointFolder:
     added or removed meanwhile. ``path`` is the folder's absolute path with no symlink in it,
     checked to name the folder held."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, *, name: str | None = None,
+                 dir_fd: int | None = None) -> None:
+        """``path`` opened; or ``name`` under the folder open as ``dir_fd`` (``path`` is then
+        how messages call it: ``subfolder``, ``parent``)."""
         self.given = Path(path)
         try:
             # O_NONBLOCK: a FIFO named like the folder cannot block the open
-            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK
-                              | getattr(os, "O_CLOEXEC", 0))
+            self.fd = os.open(path if name is None else name,
+                              os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK
+                              | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
         except OSError as exc:
             raise SafetensorsError(f"{path}: not a checkpoint directory ({exc.strerror or exc})",
                                    field="checkpoint", value=str(path)) from None
@@ -388,6 +396,15 @@ class CheckpointFolder:
             return stat.S_ISREG(os.stat(self._name(name), dir_fd=self.fd).st_mode)
         except OSError:
             return False
+
+    def subfolder(self, name: str) -> CheckpointFolder:
+        """The folder ``name`` in this one, opened through this folder's descriptor (what the
+        name leads to in the folder held, whatever this folder's own name leads to now)."""
+        return CheckpointFolder(self.given / self._name(name), name=name, dir_fd=self.fd)
+
+    def parent(self) -> CheckpointFolder:
+        """The folder holding this one, opened through this folder's descriptor."""
+        return CheckpointFolder(self.path.parent, name="..", dir_fd=self.fd)
 
     def names(self) -> list[str]:
         """The names in the folder, sorted."""
@@ -586,6 +603,21 @@ def tensor_index(paths: Iterable[Path] | CheckpointFolder) -> dict[str, TensorRe
     return _merge((Path(p), read_header(Path(p))) for p in paths)
 
 
+def drafter_tensors(directory: Path | str | CheckpointFolder) -> dict[str, TensorRef]:
+    """Every tensor of a drafter checkpoint folder, by the drafter's own name: a prefix of
+    ``DRAFTER_PREFIXES`` that every name carries is removed. A held folder is read through
+    (and its tensors later); a path is opened for this call alone, its tensors read by path
+    again."""
+    if not isinstance(directory, CheckpointFolder):
+        with CheckpointFolder(directory) as folder:
+            return {n: ref.detached() for n, ref in drafter_tensors(folder).items()}
+    refs = tensor_index(directory)
+    for prefix in DRAFTER_PREFIXES:
+        if refs and all(name.startswith(prefix) for name in refs):
+            return {name.removeprefix(prefix): ref for name, ref in refs.items()}
+    return refs
+
+
 def _feed_head(h: Any, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
     h.update(name.encode("utf-8") + b"\0" + dtype.encode("ascii") + b"\0")
     h.update(struct.pack(f"<I{len(shape)}QQ", len(shape), *shape, nbytes))
@@ -731,7 +763,7 @@ def drafter_refs(checkpoint: Path | str | CheckpointFolder,
             and not isinstance(target_checkpoint, CheckpointFolder)):
         with held_folder(checkpoint) as folder, held_target(target_checkpoint) as target:
             return {n: ref.detached() for n, ref in drafter_refs(folder, target).items()}
-    refs = tensor_index(checkpoint)
+    refs = drafter_tensors(checkpoint)
     for name in target_owned(checkpoint):  # a copy in the drafter folder is never read
         refs.pop(name, None)
     lacking = [name for name in TARGET_FALLBACKS if name not in refs]
@@ -763,8 +795,11 @@ def target_owned(folder: CheckpointFolder) -> tuple[str, ...]:
     """The drafter tensors its target supplies even where the held folder holds a copy
     (``formats.target_owned_tensors`` of its config.json, read through the folder; none
     without a config.json)."""
+    # formats reads folders through this module: imported here, when both are loaded
+    from .formats import target_owned_tensors
+
     raw = read_config(folder)
-    return formats.target_owned_tensors(raw) if raw is not None else ()
+    return target_owned_tensors(raw) if raw is not None else ()
 
 
 def identities_from_checkpoint(checkpoint: Path | str | CheckpointFolder,

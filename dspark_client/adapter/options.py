@@ -34,6 +34,7 @@ from dspark_client.config import RemoteConfig
 from dspark_client.hello import hello_from_checkpoint
 from protocol import wire
 from protocol.constants import IDENTITY_BYTES, NAME_BYTES
+from protocol.formats import locate_drafter
 from protocol.identity import (
     IDENTITY_FILE,
     SafetensorsError,
@@ -233,8 +234,9 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
     and nothing is read for them. ``identities_needed`` False: the caller wants the geometry
     alone (the weights are not hashed; a folder that could not give identities is still
     refused). ``window``, ``max_rows_per_step``: where the options leave them unset (the
-    worker's, as learnt at start); W neither: ``DEFAULT_WINDOW``."""
-    path = Path(drafter)
+    worker's, as learnt at start); W neither: ``DEFAULT_WINDOW``. A MiniMax-M3 target's folder
+    means its ``dspark/`` drafter (``protocol.formats.locate_drafter``)."""
+    path, own_target = locate_drafter(drafter)
     w = opts.window or window or DEFAULT_WINDOW
     if opts.max_rows_per_step is not None and opts.max_rows_per_step < w:
         raise _refuse("max_rows_per_step", opts.max_rows_per_step,
@@ -260,7 +262,7 @@ def drafter_hello(drafter: str | Path, opts: RemoteDSparkOptions, *, max_slots: 
     hello = hello_from_checkpoint(
         path, window=w, max_slots=max_slots,
         max_rows_per_step=opts.max_rows_per_step or max_rows_per_step, client_name=client_name,
-        target_checkpoint=opts.target_checkpoint or target_checkpoint,
+        target_checkpoint=opts.target_checkpoint or target_checkpoint or own_target,
         target_hidden_size=target_hidden_size, draft_topk=draft_topk, identities=identities)
     if hello.hidden != target_hidden_size:
         raise ValueError(f"{path}/config.json drafts for a target of hidden size"

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from protocol.formats import held_drafter
 from protocol.identity import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -35,13 +36,11 @@ from protocol.identity import (
     SafetensorsError,
     TensorRef,
     drafter_refs,
-    held_folder,
-    held_target,
+    drafter_tensors,
     identities_from_arrays,
     read_config,
     read_ref,
     target_owned,
-    tensor_index,
     write_identity_file,
 )
 
@@ -49,6 +48,7 @@ from .config import DrafterConfig, DrafterConfigError, read_config_json
 from .families import expected_shapes, family_of, parse_config
 from .limits import CheckpointRefused, check_host_memory
 from .model import DraftModel
+from .quant import STORED_DTYPES
 
 log = logging.getLogger("dspark_worker.checkpoint")
 
@@ -62,9 +62,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 # Index tensors (a reduced vocabulary's d2t / t2d) keep their integer dtype.
 INDEX_TORCH_DTYPES: dict[str, torch.dtype] = {"I64": torch.int64, "I32": torch.int32,
                                               "BOOL": torch.bool}
-SAFETENSORS_DTYPES = {v: k for k, v in (TORCH_DTYPES | INDEX_TORCH_DTYPES).items()}
+SAFETENSORS_DTYPES = {v: k for k, v in (TORCH_DTYPES | INDEX_TORCH_DTYPES | STORED_DTYPES).items()}
 DTYPE_BYTES: dict[str, int] = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4,
-                               "BOOL": 1}
+                               "BOOL": 1, "F8_E4M3": 1, "U8": 1}
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
@@ -85,7 +85,9 @@ class CheckpointError(CheckpointRefused):
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     config: DrafterConfig
-    tensors: dict[str, torch.Tensor]  # CPU, in the dtype stored in the files
+    # CPU, as the model takes them: in the dtype stored in the files, quantised weights
+    # dequantised (a family's ``model_tensors``)
+    tensors: dict[str, torch.Tensor]
     drafter_identity: bytes
     markov_identity: bytes
     files: tuple[Path, ...]  # every file a tensor was read from, target files included
@@ -98,10 +100,11 @@ def resolve_checkpoint(checkpoint: str | Path | CheckpointFolder,
                        ) -> tuple[DrafterConfig, dict[str, TensorRef]]:
     """The config and where each drafter tensor lies, every name and shape checked. Held
     folders are read through, and so are the tensors later; paths are opened for this call
-    alone (``load_checkpoint`` holds its folders for the whole load)."""
+    alone (``load_checkpoint`` holds its folders for the whole load). A MiniMax-M3 target
+    folder means its ``dspark/`` drafter (``protocol.formats.held_drafter``)."""
     with _held(checkpoint, target_checkpoint) as (folder, target):
         config, _raw, refs = _resolve_held(folder, target)
-        if folder is not checkpoint:
+        if folder is not checkpoint or target is not target_checkpoint:  # closed after
             refs = {name: ref.detached() for name, ref in refs.items()}
         return config, refs
 
@@ -110,10 +113,11 @@ def resolve_checkpoint(checkpoint: str | Path | CheckpointFolder,
 def _held(checkpoint: str | Path | CheckpointFolder,
           target_checkpoint: str | Path | CheckpointFolder | None
           ) -> Iterator[tuple[CheckpointFolder, CheckpointFolder | None]]:
-    """Both folders held for the ``with`` block; a path that is no folder is refused as
+    """Both folders held for the ``with`` block, the drafter's found as
+    ``protocol.formats.held_drafter`` finds it; a path that is no folder is refused as
     CheckpointError."""
     try:
-        with held_folder(checkpoint) as folder, held_target(target_checkpoint) as target:
+        with held_drafter(checkpoint, target_checkpoint) as (folder, target):
             yield folder, target
     except SafetensorsError as exc:
         raise CheckpointError(str(exc), tensor=exc.field, value=exc.value,
@@ -147,7 +151,7 @@ def _resolve(folder: CheckpointFolder, config: DrafterConfig,
     family.check_folder(directory)
     expected = expected_shapes(config)
     try:
-        refs = tensor_index(folder)
+        refs = drafter_tensors(folder)
         for name in target_owned(folder):  # a shipped copy the target's tensor replaces
             refs.pop(name, None)
         only_target = family.from_target(config)
@@ -165,7 +169,9 @@ def _resolve(folder: CheckpointFolder, config: DrafterConfig,
                     f" {family.name} drafter takes from its target (pass --target-checkpoint);"
                     " remove it from the drafter checkpoint", tensor=name,
                     shape=refs[name].shape)
-        unexpected = sorted(set(refs) - set(expected))
+        optional = {name: shape for name, shape in family.optional_shapes(config).items()
+                    if name in refs}
+        unexpected = sorted(set(refs) - set(expected) - set(optional))
         if unexpected:
             what = family.explain_tensor(unexpected[0])
             raise CheckpointError(
@@ -182,7 +188,7 @@ def _resolve(folder: CheckpointFolder, config: DrafterConfig,
                               limit=exc.limit) from None
     _log_target_tensors(refs, lacking,
                         target_checkpoint.path if target_checkpoint is not None else None)
-    for name, shape in expected.items():
+    for name, shape in (expected | optional).items():
         ref = refs.get(name)
         if ref is None:  # embed_tokens / lm_head: drafter_refs said so already
             raise CheckpointError(f"{directory}: missing tensor {name} (expected shape "
@@ -191,7 +197,8 @@ def _resolve(folder: CheckpointFolder, config: DrafterConfig,
             raise CheckpointError(
                 f"{ref.path}: tensor {name} has shape {list(ref.shape)}, expected {list(shape)}",
                 tensor=name, shape=ref.shape, expected=shape)
-        allowed = tuple(family.index_dtypes.get(name, sorted(TORCH_DTYPES)))
+        allowed = (family.stored_dtypes(name)
+                   or tuple(family.index_dtypes.get(name, sorted(TORCH_DTYPES))))
         if ref.dtype not in allowed:
             raise CheckpointError(f"{ref.path}: tensor {name} has dtype {ref.dtype}; the drafter"
                                   f" loads {list(allowed)}", tensor=name)
@@ -278,8 +285,10 @@ def load_checkpoint(checkpoint: str | Path, target_checkpoint: str | Path | None
     (``protocol.identity.CheckpointFolder``), each file opened once and its header and tensors
     read through that descriptor, and a folder whose files changed meanwhile (rewritten,
     replaced, added or removed) is refused with "the checkpoint changed while it was read",
-    naming the file. The loaded checkpoint, its identities and its identity record are those
-    of the folder read (``LoadedCheckpoint.folder``), whatever its name leads to by then."""
+    naming the file. A MiniMax-M3 target folder means its ``dspark/`` drafter, with that
+    folder as the target unless one is given (``protocol.formats.held_drafter``). The loaded
+    checkpoint, its identities and its identity record are those of the folder read
+    (``LoadedCheckpoint.folder``), whatever its name leads to by then."""
     with _held(checkpoint, target_checkpoint) as (folder, target):
         config, raw, refs = _resolve_held(folder, target)
         tensors = {name: read_tensor(name, ref) for name, ref in refs.items()}
@@ -305,6 +314,8 @@ def load_checkpoint(checkpoint: str | Path, target_checkpoint: str | Path | None
         drafter_id, markov_id = identities_from_arrays(
             {name: (ref.dtype, ref.shape, _raw_bytes(tensors[name]))
              for name, ref in refs.items()}, raw)
+        # Identities are of the tensors as stored; the model takes them dequantised and renamed.
+        tensors = family.model_tensors(config, tensors, str(folder.path))
         if record_identities:
             written = write_identity_file(folder, refs, (drafter_id, markov_id))
             log.info("identities %s", f"recorded in {written} for engines" if written else
@@ -355,7 +366,8 @@ def _log_target_tensors(refs: dict[str, TensorRef], lacking: list[str],
 def read_tensor(name: str, ref: TensorRef) -> torch.Tensor:
     """One tensor's bytes from its file (nothing else of the file is read), through the
     file's open descriptor where the ref has one."""
-    dtype = TORCH_DTYPES.get(ref.dtype) or INDEX_TORCH_DTYPES[ref.dtype]
+    dtype = (TORCH_DTYPES.get(ref.dtype) or INDEX_TORCH_DTYPES.get(ref.dtype)
+             or STORED_DTYPES[ref.dtype])
     count = math.prod(ref.shape)
     nbytes = ref.end - ref.start
     if nbytes != count * DTYPE_BYTES[ref.dtype]:

@@ -43,7 +43,7 @@ from protocol import formats
 
 from .config import ConfigReader, DrafterConfig, DrafterConfigError
 from .limits import MAX_SCALE, MAX_SOFTCAP
-from .model import ContextSource, MarkovHead, context_bias
+from .model import ContextSource, MarkovHead, context_bias, per_query_window_bias
 from .speculators import (
     LAYER_PREFIX,
     MODEL_TYPE_KEY,
@@ -504,14 +504,6 @@ class DFlashDrafterModel(SpeculatorsDrafterModel):
             if slides:
                 near = offset.abs() < window
                 visible = near if visible is None else visible & near
-                ctx = self._per_query_context(context, n, window)
+                ctx = per_query_window_bias(context, n, window, c.num_kv_groups)
             by_kind[kind] = (ctx, None if visible is None else self._block_bias(visible))
         return [by_kind[kind] for kind in c.layer_types]
-
-    def _per_query_context(self, context: ContextSource, n: int, window: int) -> Tensor:
-        """z-lab's sliding window over the context: query row r sees the newest
-        ``window - 1 - r`` context rows -> [B, 1, G*N, S] (repeat_kv order)."""
-        per_row = torch.stack([context.newest(max(window - 1 - r, 0)) for r in range(n)], 1)
-        bias = torch.zeros(per_row.shape, dtype=torch.float32, device=per_row.device)
-        bias.masked_fill_(~per_row, float("-inf"))  # [B, N, S]
-        return bias.repeat(1, self.config.num_kv_groups, 1).unsqueeze(1)  # [B, 1, G*N, S]

@@ -558,6 +558,7 @@ def from_tensors(config: DrafterConfig, tensors: dict[str, torch.Tensor], *,
     dev, dt = _resolve(device, dtype)
     drafter_id, markov_id = identities_from_arrays(
         tensor_records(tensors), config.to_json_dict() if config_json is None else config_json)
+    tensors = family_of(config).model_tensors(config, dict(tensors), source)
     model = build_model(config, tensors, device=dev, dtype=dt)
     return Drafter(model, drafter_identity=drafter_id, markov_identity=markov_id, source=source)
 

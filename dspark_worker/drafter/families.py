@@ -21,7 +21,7 @@ from torch import Tensor
 
 from protocol import formats
 
-from . import dflash, gemma4, k3, speculators
+from . import dflash, gemma4, k3, minimax, speculators
 from .config import DrafterConfig, DrafterConfigError, parse_qwen3_config, read_config_json
 from .model import DrafterModel, DraftModel, instantiate
 from .model import expected_shapes as qwen3_shapes
@@ -47,6 +47,15 @@ class Family:
     explain_tensor: Callable[[str], str | None] = lambda name: None
     # Checks of the checkpoint folder beyond config.json and the weights (raise ValueError).
     check_folder: Callable[[Path], None] = lambda directory: None
+    # Tensors a checkpoint may hold beside the layout (a quantised weight's scales), by shape.
+    optional_shapes: Callable[[DrafterConfig], dict[str, tuple[int, ...]]] = (
+        lambda config: {})
+    # The safetensors dtypes a tensor may be stored in, where the family says (None: any float).
+    stored_dtypes: Callable[[str], tuple[str, ...] | None] = lambda name: None
+    # The loaded tensors (stored dtypes and names, identities already taken) as the model takes
+    # them: quantised weights dequantised, names mapped (raise CheckpointRefused).
+    model_tensors: Callable[[DrafterConfig, dict[str, Tensor], str], dict[str, Tensor]] = (
+        lambda config, tensors, source: tensors)
 
 
 QWEN3 = Family(
@@ -102,7 +111,20 @@ K3 = Family(
     expected_shapes=k3.k3_shapes,
     model_type=k3.K3DrafterModel,
 )
-FAMILIES: tuple[Family, ...] = (QWEN3, GEMMA4, SPECULATORS, DFLASH, K3)
+MINIMAX = Family(
+    name="minimax_m3",
+    model_types=(),  # the target's own model_type: picked by architectures
+    architectures=minimax.ARCHITECTURES,
+    config_type=minimax.MiniMaxConfig,
+    parse=minimax.parse_minimax_config,
+    expected_shapes=minimax.minimax_shapes,
+    model_type=minimax.MiniMaxDrafterModel,
+    from_target=minimax.from_target,
+    optional_shapes=minimax.minimax_scale_shapes,
+    stored_dtypes=minimax.stored_dtypes,
+    model_tensors=minimax.model_tensors,
+)
+FAMILIES: tuple[Family, ...] = (QWEN3, GEMMA4, SPECULATORS, DFLASH, K3, MINIMAX)
 
 
 def detect_family(raw: Mapping[str, Any], source: str = "config.json") -> Family:

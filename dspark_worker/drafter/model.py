@@ -443,6 +443,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, k_ctx: Tensor, v_ctx: Tensor, ctx_bi
     return out
 
 
+def per_query_window_bias(context: ContextSource, n: int, window: int, groups: int) -> Tensor:
+    """A sliding window of ``window`` around each block row, over the context: query row r
+    sees the newest ``window - 1 - r`` context rows (keys within window - 1 positions of its
+    own, the context ending just before the block) -> [B, 1, G*N, S] fp32 (repeat_kv order)."""
+    per_row = torch.stack([context.newest(max(window - 1 - r, 0)) for r in range(n)], 1)
+    bias = torch.zeros(per_row.shape, dtype=torch.float32, device=per_row.device)
+    bias.masked_fill_(~per_row, float("-inf"))  # [B, N, S]
+    return bias.repeat(1, groups, 1).unsqueeze(1)  # [B, 1, G*N, S]
+
+
 class ContextSource:
     """Context K/V for :meth:`DrafterModel.backbone`, one layer at a time (a ring gather, or a
     from-scratch projection in the reference)."""

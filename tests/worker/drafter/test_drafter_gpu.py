@@ -154,6 +154,9 @@ DFLASH_TINY = Path(__file__).resolve().parent / "data" / "dflash_tiny"
 # DFlash checkpoints with the most to capture: DFlash2's convolutions and selector, z-lab's
 # per-query sliding window with its scales and softcap.
 DFLASH_GRAPHED = {"spec_dflash2_b5": "target", "extra_zlab2_scaled_yarn": "target_tied"}
+MINIMAX_TINY = Path(__file__).resolve().parent / "data" / "minimax_m3_tiny"
+# MiniMax-M3: MXFP8 dequantised, MQA, the per-row window beside a full layer.
+MINIMAX_GRAPHED = ("extra_mqa_mixed_sharded",)
 
 
 K3_TINY = Path(__file__).resolve().parent / "data" / "k3_tiny"
@@ -171,6 +174,9 @@ def family_on_cuda(family: str, dtype: torch.dtype) -> Drafter:
         return cuda_drafter(dtype)
     if family == "gemma4":
         return load_drafter(GEMMA4_TINY, device="cuda", dtype=dtype)
+    if family in MINIMAX_GRAPHED:
+        return load_drafter(MINIMAX_TINY / family, MINIMAX_TINY / "target", device="cuda",
+                            dtype=dtype, record_identities=False)
     if family in DFLASH_GRAPHED:
         return load_drafter(DFLASH_TINY / family, DFLASH_TINY / DFLASH_GRAPHED[family],
                             device="cuda", dtype=dtype, record_identities=False)
@@ -179,7 +185,7 @@ def family_on_cuda(family: str, dtype: torch.dtype) -> Drafter:
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma4", *SPECULATORS_GRAPHED, *DFLASH_GRAPHED,
-                                    *K3_GRAPHED])
+                                    *K3_GRAPHED, *MINIMAX_GRAPHED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_capture_check_and_equal_eager(dtype: torch.dtype, family: str) -> None:
     """Every bucket captures and passes the start-up self-check (graph replay against the eager
@@ -308,3 +314,38 @@ def test_cuda_fp32_drafts_the_k3_vectors() -> None:
     """fp32 on CUDA drafts every Kimi-K3 case, shared and ours (ids exact, margins within
     1e-3), eager and through the captured graphs; the rows of each case in one apply."""
     drafts_the_vectors_on_cuda(K3_TINY, None)
+
+
+def test_cuda_fp32_drafts_the_minimax_vectors() -> None:
+    """fp32 on CUDA drafts every MiniMax-M3 case (ids exact, confidences within 1e-4, margins
+    within 1e-3) from rings of 64, eager and through the captured graphs."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from dspark_worker.drafter import load_drafter
+
+    for suffix in ("", "_extra"):
+        vectors = json.loads((MINIMAX_TINY / f"cases{suffix}.json").read_text())
+        taps = load_file(str(MINIMAX_TINY / f"taps{suffix}.safetensors"))
+        for name, info in vectors["checkpoints"].items():
+            cases = [c for c in vectors["cases"] if c["checkpoint"] == name]
+            gpu = load_drafter(MINIMAX_TINY / name, MINIMAX_TINY / info["target"],
+                               device="cuda", dtype=torch.float32, record_identities=False)
+            pool = gpu.new_pool(len(cases), 64)
+            assert gpu.prepare_graphs(pool, 4).fallback is None
+            lanes = pool.allocate(len(cases))
+            rows = [taps[c["taps_key"]].view(torch.int16).numpy().view(np.uint8)
+                    .reshape(c["n_rows"], -1)[-64:] for c in cases]
+            anchors = [c["anchor_pos"] for c in cases]
+            pool.apply(lanes, anchors, [len(r) for r in rows], [True] * len(cases),
+                       np.concatenate(rows))
+            graphs = gpu.graphs
+            for g in (graphs, None):
+                gpu.graphs = g
+                got = gpu.draft(pool, lanes, anchors, [c["anchor_token"] for c in cases])
+                for i, c in enumerate(cases):
+                    assert got.draft_ids[i].tolist() == c["ids"], (name, c["case"])
+                    np.testing.assert_allclose(got.confidence[i], c["confidence"], atol=1e-4,
+                                               rtol=0)
+                    np.testing.assert_allclose(got.margin[i], c["margin"], atol=1e-3, rtol=0)
