@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -55,6 +56,7 @@ from dspark_client.adapter.device import RoundTensors, TapRowGather, client_tag
 from dspark_client.adapter.engine import GuardedRounds, fill_round, start_rounds
 from dspark_client.adapter.options import default_client_name, drafter_hello
 from dspark_client.adapter.slots import NO_SLOT, SlotTable
+from dspark_client.adapter.worker import hello_with_terms
 from dspark_client.hello import tap_layers
 from dspark_client.rounds import DraftRounds
 
@@ -363,19 +365,24 @@ class RemoteDSparkWorker(DSparkWorkerV2):
         tp = get_parallel().tp_group
         group = tp if tp is not None and tp.world_size > 1 else None
         rounds = slots = None
-        window = opts.window
+        window = 0  # (rows are kept on rank 0 alone: it takes the HELLO's W)
         if tp_rank == 0:
             # (row 0 of SGLang's table is never a request's: pool.size rows are)
-            max_slots = min(opts.max_slots or int(pool.size), int(pool.size))
             name = opts.client_name or default_client_name(
                 client_tag(torch.device(self.device),
                            int(getattr(server_args, "dp_rank", None) or 0)), engine="sglang")
-            hello = drafter_hello(drafter, opts, max_slots=max_slots, client_name=name,
-                                  target_hidden_size=hidden,
-                                  target_checkpoint=_local_dir(server_args.model_path),
-                                  where=OPTIONS_ENV, folder="--speculative-draft-model-path")
-            rounds = start_rounds(opts.remote, hello, owner=self, log=log)
-            slots = SlotTable(max_rows, max_slots, engine="SGLang")
+            wait = opts.remote.connect_timeout_ms / 1000.0
+            deadline = time.monotonic() + wait
+            hello, terms_from = hello_with_terms(
+                lambda **terms: drafter_hello(
+                    drafter, opts, client_name=name, target_hidden_size=hidden,
+                    target_checkpoint=_local_dir(server_args.model_path), where=OPTIONS_ENV,
+                    folder="--speculative-draft-model-path", **terms),
+                opts, max_requests=int(pool.size), client_name=name, timeout=wait)
+            rounds = start_rounds(opts.remote, hello, owner=self, log=log,
+                                  wait=max(deadline - time.monotonic(), 0.0),
+                                  note=f"; W and limits {terms_from}")
+            slots = SlotTable(max_rows, hello.max_slots, engine="SGLang")
             window = hello.window
             if rounds.client.has_confidence is False:
                 log.warning("remote DSpark: the worker's drafter has no confidence head; its"

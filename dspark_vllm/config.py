@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.worker.gpu.spec_decode.dspark.config import DSparkSpeculatorConfig
 
 from dspark_client.adapter.options import RemoteDSparkOptions, drafter_hello, parse_options
-from dspark_client.adapter.worker import learn_worker
-from dspark_client.hello import default_max_rows_per_step, tap_layers
+from dspark_client.adapter.worker import hello_with_terms
+from dspark_client.hello import tap_layers
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig, SpeculativeConfig
@@ -68,30 +68,11 @@ def hello_for(spec: SpeculativeConfig, *, max_slots: int, client_name: str,
 
 def engine_hello(spec: SpeculativeConfig, opts: RemoteDSparkOptions, *, max_num_seqs: int,
                  client_name: str, timeout: float) -> tuple[Any, str]:
-    """The HELLO rank 0 sends, and where its terms came from. What the options leave unset
-    and the worker alone decides is the worker's, asked within ``timeout`` seconds
-    (``learn_worker``): W, and at most its max_slots and max_rows_per_step; no worker
-    answered: the defaults (said at WARNING). max_slots is at most ``max_num_seqs``."""
-    max_slots = min(opts.max_slots or max_num_seqs, max_num_seqs)
-    if opts.window is not None and opts.max_slots is not None:
-        return hello_for(spec, max_slots=max_slots, client_name=client_name), "as set"
-    terms, why = learn_worker(opts.remote, client_name, timeout)
-    if terms is None:
-        return hello_for(spec, max_slots=max_slots, client_name=client_name), \
-            f"the defaults: {why}"
-    if opts.max_slots is None and terms.max_slots < max_slots:
-        log.warning("remote DSpark: the worker at %s takes at most %d slots per session"
-                    " (its --max-slots), fewer than max_num_seqs %d: requests beyond %d at"
-                    " once are served without drafts", terms.endpoint, terms.max_slots,
-                    max_num_seqs, terms.max_slots)
-        max_slots = terms.max_slots
-    rows = None
-    if opts.max_rows_per_step is None:
-        w = opts.window or terms.window
-        rows = min(default_max_rows_per_step(w, max_slots), terms.max_rows_per_step)
-    hello = hello_for(spec, max_slots=max_slots, client_name=client_name,
-                      window=terms.window, max_rows_per_step=rows)
-    return hello, f"the worker's, at {terms.endpoint}"
+    """The HELLO rank 0 sends, and where its terms came from (``hello_with_terms``: what the
+    options leave unset is the worker's); max_slots is at most ``max_num_seqs``."""
+    return hello_with_terms(
+        lambda **terms: hello_for(spec, client_name=client_name, **terms), opts,
+        max_requests=max_num_seqs, client_name=client_name, timeout=timeout)
 
 
 class RemoteDSparkSpeculatorConfig(DSparkSpeculatorConfig):

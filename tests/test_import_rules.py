@@ -159,8 +159,8 @@ def test_the_adapters_options_import_no_engine() -> None:
     for name in ("options.py", "worker.py"):
         module = ROOT / "dspark_client" / "adapter" / name
         assert top_level(imported_modules(module)) <= {
-            "__future__", "difflib", "json", "logging", "socket", "time", "pathlib", "typing",
-            "msgspec", "dspark_client", "protocol"}, name
+            "__future__", "collections", "difflib", "json", "logging", "socket", "time",
+            "pathlib", "typing", "msgspec", "dspark_client", "protocol"}, name
 
 
 PLUGIN_PROBE = """

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -23,10 +24,12 @@ from protocol import wire
 
 from ..config import RemoteConfig
 from ..discovery import Discovery
+from ..hello import default_max_rows_per_step
 from ..placement import rank
 from ..transport import TransportError, make_client
+from .options import RemoteDSparkOptions
 
-__all__ = ["WorkerTerms", "learn_worker", "worker_stats"]
+__all__ = ["WorkerTerms", "hello_with_terms", "learn_worker", "worker_stats"]
 
 log = logging.getLogger("dspark_client")
 
@@ -94,3 +97,32 @@ def learn_worker(cfg: RemoteConfig, client_name: str, timeout: float
     log.warning("remote DSpark: no worker told its window and limits within %.0f ms (%s)",
                 timeout * 1000.0, why)
     return None, why
+
+
+def hello_with_terms(make_hello: Callable[..., wire.Hello], opts: RemoteDSparkOptions, *,
+                     max_requests: int, client_name: str, timeout: float
+                     ) -> tuple[wire.Hello, str]:
+    """The HELLO rank 0 sends, and where its terms came from. ``make_hello(max_slots=,
+    window=, max_rows_per_step=)`` builds the engine's HELLO (``drafter_hello`` with what the
+    engine knows); what the options leave unset and the worker alone decides is the worker's,
+    asked within ``timeout`` seconds (``learn_worker``): W, and at most its max_slots and
+    max_rows_per_step; no worker answered: the defaults (said at WARNING). max_slots is at most
+    ``max_requests``, the most requests the engine runs at once."""
+    max_slots = min(opts.max_slots or max_requests, max_requests)
+    if opts.window is not None and opts.max_slots is not None:
+        return make_hello(max_slots=max_slots), "as set"
+    terms, why = learn_worker(opts.remote, client_name, timeout)
+    if terms is None:
+        return make_hello(max_slots=max_slots), f"the defaults: {why}"
+    if opts.max_slots is None and terms.max_slots < max_slots:
+        log.warning("remote DSpark: the worker at %s takes at most %d slots per session"
+                    " (its --max-slots), fewer than the engine's %d requests at once: requests"
+                    " beyond %d at once are served without drafts", terms.endpoint,
+                    terms.max_slots, max_requests, terms.max_slots)
+        max_slots = terms.max_slots
+    rows = None
+    if opts.max_rows_per_step is None:
+        w = opts.window or terms.window
+        rows = min(default_max_rows_per_step(w, max_slots), terms.max_rows_per_step)
+    hello = make_hello(max_slots=max_slots, window=terms.window, max_rows_per_step=rows)
+    return hello, f"the worker's, at {terms.endpoint}"
