@@ -16,9 +16,9 @@ accepted HELLO starts a new epoch, and STEP entries built for an older epoch are
 (7.5). ``lock`` guards session, seq, epoch, the connection and ``ready`` (held for a few field
 reads or writes, never across I/O). ``io_lock`` keeps one request at a time on the connection
 (the exchange's STEP, GOODBYE, PING/STATS/RESET, a move's GOODBYE, a drafter follow); when both
-are taken, ``io_lock`` comes first. The worker set (discovery, placement, backoff, the failure
-counters) is the connect thread's alone; the engine thread hands it a drained endpoint through
-one field (``drained``). The thread holds only a weak reference to the link between attempts
+are taken, ``io_lock`` comes first. The worker set (``dspark_client.workers.WorkerSet``:
+discovery, placement, the failure counters) and the backoff are the connect thread's alone; the
+engine thread hands the set a drained endpoint through one field. The thread holds only a weak reference to the link between attempts
 (the pattern of vLLM's ``BackgroundResources``): a link that the engine drops is collected, and
 a ``weakref.finalize`` then stops the thread and closes the connection.
 
@@ -42,7 +42,8 @@ memfd for the run (``dspark_client.shm``) and, after each accepted HELLO whose r
 ``CAP_SHM_ROWS``, attaches it to the connection (OFFER, then MAP with the descriptor); any
 refusal of the attach means rows on the socket for that connection (``rows_in_shm_on``).
 
-One piece at about a thousand lines: connect, move, follow, drop and close each change the same
+One piece at about 900 lines (the worker set and the HELLO reply's checks live apart, in
+``workers`` and ``hello_check``): connect, move, follow, drop and close each change the same
 fields (connection, session, epoch, ready) under the same two locks in the same order, and
 read apart they would hide that protocol, which is what a change here must keep.
 """
@@ -70,8 +71,8 @@ from protocol.constants import CAP_SHM_ROWS, IDENTITY_BYTES
 
 from .acceptance import ClientAcceptance
 from .config import RemoteConfig
-from .discovery import RESOLVE_RETRY_S, Discovery, Resolver, is_dns_endpoint
-from .placement import Placement
+from .discovery import Resolver, is_dns_endpoint
+from .hello_check import limits_hint, reply_problems
 from .shm import ShmRegion, shm_available
 from .shm import attach as shm_attach
 from .stats import Stats
@@ -83,15 +84,12 @@ from .transport import (
     parse_endpoint,
     process_id,
 )
+from .workers import CONNECT_FAIL_LOG_S, WorkerSet
 
 __all__ = ["CONNECT_FAIL_LOG_S", "GOODBYE_TIMEOUT_S", "WorkerLink"]
 
 log = logging.getLogger("dspark_client")
 
-# While the worker stays unreachable the thread retries every backoff interval, so only the
-# first failure of a run and then one line per CONNECT_FAIL_LOG_S are logged; the counter
-# connect_failures counts them all.
-CONNECT_FAIL_LOG_S: Final = 60.0
 # Reply buffer of a request other than STEP (PING, RESET, STATS JSON); it grows when needed.
 AUX_REPLY_BYTES: Final = 1 << 16
 # close() waits this long at most for the worker to answer GOODBYE: the worker frees the
@@ -200,25 +198,14 @@ class WorkerLink:
         self.reply_no_confidence = 0  # RPF_NO_CONFIDENCE as the worker's replies must carry it
         self._last_error: str | None = None
         self.last_refusal: int | None = None  # frame status of the last non-fatal HELLO refusal
-        # The worker set and where in it to be; only the connect thread touches these (the
-        # engine thread hands a drained endpoint over through _drained).
-        self._discovery = Discovery(cfg.all_endpoints, resolver)
-        self._placement = Placement(hello.client_name, failover_after=cfg.failover_after,
-                                    return_after_s=cfg.return_after_ms / 1000.0)
-        self._next_resolve = 0.0
-        self._last_resolve = -math.inf
-        self._resolve_soon = False
-        if not self._discovery.dynamic:
-            self._placement.update(self._discovery.resolve(), time.monotonic())
-        self._endpoint = self._placement.target(time.monotonic()) or cfg.endpoint
+        # The worker set and where in it to be; only the connect thread touches it (the
+        # engine thread hands a drained endpoint over through its ``drained``).
+        self._workers = WorkerSet(cfg, hello.client_name, stats, resolver)
+        self._endpoint = self._workers.target(time.monotonic()) or cfg.endpoint
         self._session_endpoint: str | None = None  # where the current session was accepted
-        self._drained: str | None = None  # an endpoint whose STEP answered ST_DRAINING
-        self._retry_now = False
         self._rng = random.Random(secrets.randbits(64))
         self._backoff_ms = cfg.backoff_ms
         self._next_attempt = 0.0
-        self._fail_run = 0
-        self._fail_logged = 0.0
         # Rounds in a row whose reply failed its checks or was ST_INTERNAL: while it is not 0
         # an accepted HELLO does not reset the backoff (a worker whose every reply is wrong,
         # e.g. NaN weights, is not re-HELLOed many times a second), a good reply does.
@@ -293,7 +280,7 @@ class WorkerLink:
     @property
     def workers(self) -> list[str]:
         """The worker set as last resolved, in this client's order of preference."""
-        return self._placement.members
+        return self._workers.members
 
     def wait_ready(self, timeout: float) -> bool:
         """Block until a HELLO is accepted or the client is disabled (tools and tests; the
@@ -455,12 +442,12 @@ class WorkerLink:
             return False
         timeout = self.cfg.connect_timeout_ms / 1000.0
         now = time.monotonic()
-        self._take_drained(now)
-        self._refresh(now)
-        target = self._placement.target(now)
+        self._workers.take_drained(now)
+        self._workers.refresh(now)
+        target = self._workers.target(now)
         if target is None:
             self._connect_failed(self.endpoint, TransportError(
-                f"no worker address resolved ({self._discovery.last_error or 'empty answer'})"))
+                f"no worker address resolved ({self._workers.resolve_error or 'empty answer'})"))
             return False
         endpoint = self._endpoint = target
         if self._session_endpoint is not None and endpoint != self._session_endpoint:
@@ -513,11 +500,11 @@ class WorkerLink:
             conn.close()
             return self.connect_now()
         self._session_endpoint = endpoint
-        self._placement.connected(endpoint)
+        self._workers.connected(endpoint)
         self._shared.ready_event.set()
         self._worker_accepted(rep, endpoint)
         self.stats.inc_many({"hellos": 1, "reconnects": int(epoch > 1)})
-        failed, self._fail_run = self._fail_run, 0
+        failed, self._workers.fail_run = self._workers.fail_run, 0
         log.info("remote DSpark worker %r ready at %s (session %#010x, epoch %d)%s%s",
                  rep.worker_name, endpoint, session, epoch,
                  f" after {failed} failed connect attempts" if failed else "",
@@ -542,8 +529,10 @@ class WorkerLink:
         if h.status != wire.ST_OK:
             name = wire.FRAME_STATUS_NAMES.get(h.status, str(h.status))
             if h.status in wire.FATAL_FRAME_STATUS:
-                self.disable(f"HELLO refused: {name}{self._differences(rep)}"
-                              + (self._limits_hint() if h.status == wire.ST_LIMITS else ""))
+                problems = [] if rep is None else reply_problems(self.hello, rep)
+                self.disable(f"HELLO refused: {name}"
+                             + (f" ({'; '.join(problems)})" if problems else "")
+                             + (limits_hint(self.hello) if h.status == wire.ST_LIMITS else ""))
                 return None
             self.last_refusal = h.status
             if h.status == wire.ST_STALE_SEQ:
@@ -554,7 +543,7 @@ class WorkerLink:
         if rep is None:
             raise wire.WireError(f"HELLO reply body is {len(body)} bytes, not"
                                  f" {wire.HELLO_REP.size}")
-        problems = self._reply_problems(rep)
+        problems = reply_problems(self.hello, rep)
         if problems:
             self.disable("HELLO reply does not match this engine: " + "; ".join(problems))
             return None
@@ -578,15 +567,6 @@ class WorkerLink:
     def follows(self) -> bool:
         """The session asks for whatever drafter the worker serves (HF_FOLLOW, 6.5)."""
         return bool(self.hello.flags & wire.HF_FOLLOW)
-
-    def _limits_hint(self) -> str:
-        """What ST_LIMITS may be about beyond the HelloReply's fields: the frame limit."""
-        ours = self.hello
-        body = wire.rows_offset_for(ours.max_slots) + ours.max_rows_per_step * ours.row_bytes
-        return (f"; this engine's largest STEP is {wire.APP_HEADER_SIZE + body} bytes"
-                f" (max_slots {ours.max_slots}, max_rows_per_step {ours.max_rows_per_step},"
-                f" {ours.row_bytes}-byte rows): raise the worker's --max-frame-bytes or lower"
-                " max_rows_per_step")
 
     def _session_taken(self, session: int) -> None:
         """HELLO refused ST_STALE_SEQ: the worker holds this session id with a higher seq than
@@ -654,127 +634,33 @@ class WorkerLink:
         """The run's region (None without a ``unix+shm://`` endpoint)."""
         return self._shm
 
-    def _reply_problems(self, rep: wire.HelloReply) -> list[str]:
-        ours = self.hello
-        problems = []
-        if rep.version != ours.version:
-            problems.append(f"version {rep.version} != {ours.version}")
-        if self.follows:  # any drafter of this geometry: the reply says which (6.5)
-            pass
-        elif rep.drafter_identity != ours.drafter_identity:
-            problems.append(f"drafter identity {rep.drafter_identity.hex()[:16]}.. !="
-                            f" ours {ours.drafter_identity.hex()[:16]}..")
-        if not self.follows and rep.markov_identity != ours.markov_identity:
-            problems.append(f"markov identity {rep.markov_identity.hex()[:16]}.. !="
-                            f" ours {ours.markov_identity.hex()[:16]}..")
-        for field in ("window", "num_spec", "row_bytes", "vocab_size", "n_taps", "hidden"):
-            theirs, mine = getattr(rep, field), getattr(ours, field)
-            if theirs != mine:
-                problems.append(f"{field} {theirs} != ours {mine}")
-        if self.sampled and not rep.capabilities & wire.CAP_TOP32:
-            problems.append("worker lacks the dyadic24 top32 capability")
-        if not rep.capabilities & wire.CAP_TAPS_BF16:
-            problems.append("worker lacks the TAPS_BF16 capability")
-        if rep.max_slots < ours.max_slots:
-            problems.append(f"max_slots {rep.max_slots} < ours {ours.max_slots}")
-        if rep.max_rows_per_step < ours.max_rows_per_step:
-            problems.append(f"max_rows_per_step {rep.max_rows_per_step} < ours"
-                            f" {ours.max_rows_per_step}")
-        return problems
-
-    def _differences(self, rep: wire.HelloReply | None) -> str:
-        if rep is None:
-            return ""
-        problems = self._reply_problems(rep)
-        return f" ({'; '.join(problems)})" if problems else ""
-
     def _fresh_session_locked(self) -> int:
         new = self.session
         while new in (self.session, 0):
             new = secrets.randbits(32)
         return new
 
-    # -- the worker set and placement (connect thread only) ---------------------------------------
-    def _refresh(self, now: float) -> None:
-        """Resolve the DNS endpoints again when the interval has passed, or soon after a
-        failed connect (at most every RESOLVE_RETRY_S)."""
-        if not self._discovery.dynamic:
-            return
-        due = now >= self._next_resolve or (
-            self._resolve_soon and now - self._last_resolve >= RESOLVE_RETRY_S)
-        if not due:
-            return
-        members = self._discovery.resolve()
-        self._last_resolve = now
-        self._next_resolve = now + self.cfg.resolve_interval_ms / 1000.0
-        self._resolve_soon = False
-        self.stats.inc("resolves")
-        if self._discovery.last_error is not None:
-            self.stats.inc("resolve_failures")
-            self.stats.set("last_resolve_error", self._discovery.last_error)
-            log.warning("remote DSpark: %s", self._discovery.last_error)
-        added, removed = self._placement.update(members, now)
-        if added or removed:
-            self.stats.set("workers", len(self._placement.members))
-            log.info("remote DSpark worker set: %d workers (+%s -%s)",
-                     len(self._placement.members), added, removed)
-
-    def _take_drained(self, now: float) -> None:
-        ep, self._drained = self._drained, None
-        if ep is not None:
-            self._placement.hold(ep, now)
-
+    # -- the worker set (connect thread only) ------------------------------------------------------
     def _worker_draining(self, endpoint: str, where: str) -> None:
-        """``endpoint`` answered ST_DRAINING: keep away from it for the quiet period and, when
-        there is another worker, connect to it now (no backoff, no failure counted)."""
-        now = time.monotonic()
-        self.stats.inc("drained")
-        self._placement.hold(endpoint, now)
-        target = self._placement.target(now)
-        self.last_error = f"{endpoint} is draining ({where})"
-        if target is not None and target != endpoint:
-            self._retry_now = True
-            log.info("remote DSpark: %s is draining; moving to %s", endpoint, target)
-        else:
-            log.warning("remote DSpark: %s is draining and no other worker is known", endpoint)
+        self.last_error = self._workers.draining(endpoint, where)
 
     def _connect_failed(self, endpoint: str, e: BaseException) -> None:
-        text = str(e)  # a transport error names the endpoint itself
-        self.last_error = text if endpoint in text else f"connect {endpoint}: {text}"
-        self.stats.inc("connect_failures")
-        self._fail_run += 1
-        self._resolve_soon = True
-        now = time.monotonic()
-        if self._placement.connect_failed(endpoint, now):
-            target = self._placement.target(now)
-            if target is not None and target != endpoint:
-                self.stats.inc("failovers")
-                log.warning("remote DSpark: %s unreachable, failing over to %s", endpoint,
-                            target)
-        if self._fail_run == 1:
-            self._fail_logged = now
-            log.warning("remote DSpark connect/HELLO to %s failed: %s", endpoint, e)
-        elif now - self._fail_logged >= CONNECT_FAIL_LOG_S:
-            self._fail_logged = now
-            log.warning("remote DSpark connect/HELLO to %s still failing after %d attempts: %s",
-                        endpoint, self._fail_run, e)
+        self.last_error = self._workers.connect_failed(endpoint, e)
 
     def _while_connected(self) -> float:
         """Re-resolve and move to a better-ranked worker when one became eligible; seconds
         until this is worth doing again."""
-        if not self._discovery.dynamic and len(self._placement.members) < 2:
+        workers = self._workers
+        if not workers.dynamic and len(workers.members) < 2:
             return math.inf
         now = time.monotonic()
-        self._take_drained(now)
-        self._refresh(now)
-        better = self._placement.better(self._endpoint, now)
+        workers.take_drained(now)
+        workers.refresh(now)
+        better = workers.better(self._endpoint, now)
         if better is not None:
             self._move_to(better)
             now = time.monotonic()
-        wait = self._placement.next_change(now)
-        if self._discovery.dynamic:
-            wait = min(wait, self._next_resolve - now)
-        return max(wait, MIN_TICK_S)
+        return max(workers.next_change(now), MIN_TICK_S)
 
     def _move_to(self, target: str) -> bool:
         """Connect and HELLO to ``target`` under a new session while the engine keeps stepping
@@ -795,7 +681,7 @@ class WorkerLink:
         except (TransportError, wire.WireError, OSError) as e:
             if conn is not None:
                 conn.close()
-            self._placement.hold(target, time.monotonic())
+            self._workers.hold(target, time.monotonic())
             self.stats.inc("move_failures")
             log.info("remote DSpark: staying on %s; %s did not take us: %s", old, target, e)
             return False
@@ -806,7 +692,7 @@ class WorkerLink:
         # fail that STEP, and its failure would then drop the new connection.
         if not self.io_lock.acquire(timeout=2 * self.cfg.timeout_ms / 1000.0 + 1.0):
             conn.close()
-            self._placement.hold(target, time.monotonic())  # try again after a quiet period
+            self._workers.hold(target, time.monotonic())  # try again after a quiet period
             return False
         try:
             with self.lock:
@@ -832,7 +718,7 @@ class WorkerLink:
                 self._endpoint = self._session_endpoint = target
         finally:
             self.io_lock.release()
-        self._placement.connected(target)
+        self._workers.connected(target)
         self._shared.ready_event.set()
         self._worker_accepted(rep, target)
         self.stats.inc_many({"hellos": 1, "moves": 1})
@@ -912,8 +798,8 @@ class WorkerLink:
             return self._while_connected()
         if self.disabled:
             return None
-        if self._retry_now:  # a draining worker: the next one at once
-            self._retry_now = False
+        if self._workers.retry_now:  # a draining worker: the next one at once
+            self._workers.retry_now = False
             return 0.0
         with self.lock:
             return self.schedule_retry_locked()
@@ -947,7 +833,7 @@ class WorkerLink:
         """A STEP answered ST_DRAINING: not applied, the worker is going away. The connect
         thread holds it off and connects to the next-ranked worker at once (no backoff, not a
         failure)."""
-        self._drained = endpoint = self._endpoint
+        self._workers.drained = endpoint = self._endpoint
         self.stats.inc("drained")
         self.mark_failed(f"{reason} ({endpoint})", backoff=False)
 
