@@ -27,14 +27,12 @@ valid until the next ``step()`` of this client.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
 
 from protocol import wire
-from protocol.messages import SampleMeta
 
 from .acceptance import ClientAcceptance
 from .config import RemoteConfig
@@ -76,28 +74,12 @@ class RemoteDraftClient:
                                session=session, resolver=resolver)
         self.hello = self.link.hello  # as sent: without its auth tag, HF_FOLLOW when following
         self.exchange = StepExchange(self.link, cfg, self.hello, self.stats, self.acceptance)
-        # The hot path goes to the exchange without a hop through this face (the method
-        # below is its signature and documentation).
-        self.step = self.exchange.step  # type: ignore[method-assign]
+        # ``step(buf, entries, n_rows, step_id, ...)``: one STEP and its reply's checks,
+        # ``StepExchange.step`` itself (documented there), so the hot path takes no hop
+        # through this face.
+        self.step = self.exchange.step
         if background:
             self.link.start_background()
-
-    def step(
-        self,
-        buf: bytearray | memoryview,
-        entries: Sequence[wire.ReqEntry] | npt.NDArray[Any],
-        n_rows: int,
-        step_id: int,
-        step_flags: int = 0,
-        epoch: int | None = None,
-        rows: Any = None,
-        sample_meta: list[SampleMeta] | None = None,
-        while_waiting: Callable[[], None] | None = None,
-    ) -> StepOutcome:
-        """Send one STEP and check its reply: ``StepExchange.step`` (every instance calls it
-        directly)."""
-        return self.exchange.step(buf, entries, n_rows, step_id, step_flags, epoch, rows,
-                                  sample_meta, while_waiting)
 
     @property
     def cfg(self) -> RemoteConfig:
@@ -145,11 +127,9 @@ class RemoteDraftClient:
 
     @property
     def has_confidence(self) -> bool | None:
-        """Whether the worker's drafter has a confidence head (contract 6.1,
-        ``CAP_NO_CONFIDENCE``): None until a HELLO is accepted. False (a DFlash drafter): every
-        reply says so (``RPF_NO_CONFIDENCE``, ``RoundResult.has_confidence``), its confidences
-        are 1.0 and predict nothing: verify a static number of drafts, not a confidence-
-        scheduled one, and read no predicted acceptance into them."""
+        """Whether the worker's drafter has a confidence head: None until a HELLO is accepted;
+        False: confidences predict nothing, verify a static length
+        (``WorkerLink.has_confidence``)."""
         return self.link.has_confidence
 
     @property
@@ -158,10 +138,8 @@ class RemoteDraftClient:
 
     @property
     def last_error(self) -> str | None:
-        """Why the client is not drafting, or last failed to: once disabled, the reason it was
-        disabled (a refused HELLO, a reply that does not match, a fork: ``disabled_reason``),
-        else the latest failure (a connect, a retryable refusal such as BUSY, a lost
-        session, a draining worker); None before any."""
+        """Why the client is not drafting, or last failed to; None before any
+        (``WorkerLink.last_error``)."""
         return self.link.last_error
 
     @last_error.setter

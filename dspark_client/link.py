@@ -18,9 +18,10 @@ reads or writes, never across I/O). ``io_lock`` keeps one request at a time on t
 (the exchange's STEP, GOODBYE, PING/STATS/RESET, a move's GOODBYE, a drafter follow); when both
 are taken, ``io_lock`` comes first. The worker set (``dspark_client.workers.WorkerSet``:
 discovery, placement, the failure counters) and the backoff are the connect thread's alone; the
-engine thread hands the set a drained endpoint through one field. The thread holds only a weak reference to the link between attempts
-(the pattern of vLLM's ``BackgroundResources``): a link that the engine drops is collected, and
-a ``weakref.finalize`` then stops the thread and closes the connection.
+engine thread hands the set a drained endpoint through one field. The thread holds only a weak
+reference to the link between attempts (the pattern of vLLM's ``BackgroundResources``): a link
+that the engine drops is collected, and a ``weakref.finalize`` then stops the thread and closes
+the connection.
 
 HELLO. A fatal frame status (section 5) or a reply that does not match this engine disables
 remote drafting for the engine run; a HELLO refused ST_STALE_SEQ (the id is held with a higher
