@@ -227,4 +227,4 @@ class RemoteDraftClient:
         return self.link.simple_request(op, body)
 
     def __repr__(self) -> str:
-        return f"RemoteDraftClient({self.link!r})"
+        return f"RemoteDraftClient({self.link.describe()})"

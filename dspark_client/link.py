@@ -889,6 +889,10 @@ class WorkerLink:
         finally:
             self.io_lock.release()
 
-    def __repr__(self) -> str:
+    def describe(self) -> str:
+        """Endpoint, session, epoch and state, for a repr."""
         state = ("disabled" if self.disabled else "ready" if self.ready else "connecting")
-        return (f"{self.endpoint!r}, session={self.session:#010x}, epoch={self.epoch}, {state}")
+        return f"{self.endpoint!r}, session={self.session:#010x}, epoch={self.epoch}, {state}"
+
+    def __repr__(self) -> str:
+        return f"WorkerLink({self.describe()})"
