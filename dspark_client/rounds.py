@@ -48,12 +48,25 @@ after that: the STEP goes out as [headers, rows] with scatter-gather.
 
 Lifetime: the arrays of a ``RoundResult`` are views over the client's reply buffer (or this
 object's zero arrays) and stay valid until the next round. Copy what must live longer.
+
+What lives apart, and what cannot. The row budget (the limit, its cuts and probes, every slot's
+age and which entries go when a round is over it) is ``dspark_client.budget.RowBudget``, and
+the result assembly (the reply's arrays in the engine's order, or a target-only round) is
+``dspark_client.results.Results``: each reads nothing of the per-slot state below and is told
+what happened. The input checks, the resync planning, the usual-round shortcut, the ring writes,
+the staging and the entries stay here, in one class of about a thousand lines, because they
+are one pass over the same per-slot arrays (the engine's generation, the worker's generation
+and window end, the epoch each window is valid in, the last usual round): the checks refuse a
+generation against the slot's current one, the plan decides continue or resync from the
+worker's view, the shortcut skips the plan only because the last round left every one of those
+arrays in a known state, and a failed STEP rolls all of them back together. Split across
+modules, each would either hand these arrays to the others every round or keep a copy of the
+shortcut's invariant, and the invariant is what a change here must keep.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import time
 from collections.abc import Iterable, Sequence
@@ -66,7 +79,15 @@ import numpy.typing as npt
 from protocol import wire
 from protocol.constants import MAX_TOP_K
 
+from .budget import (
+    MIN_ROW_BUDGET_PARTS,
+    PROBE_AFTER_OK_STEPS,
+    SIZE_FAILURES_TO_SHRINK,
+    RowBudget,
+    fair_bound_rounds,
+)
 from .client import SIZE_SUSPECT_BYTES, RemoteDraftClient
+from .results import NOT_SENT, Results, RoundResult
 from .ring import TapRing
 
 __all__ = ["MIN_ROW_BUDGET_PARTS", "NOT_SENT", "PROBE_AFTER_OK_STEPS", "SIZE_FAILURES_TO_SHRINK",
@@ -76,20 +97,8 @@ log = logging.getLogger("dspark_client")
 
 Ints = npt.NDArray[np.int64]
 
-# Request status reported for a slot that was not in the STEP (failed round, deferred).
-NOT_SENT: Final = 255
 _NO_EPOCH: Final = -1
 _NONE: Final = -1  # "no generation" in the per-slot generation arrays
-# Size refusals in a row (STEPs over SIZE_SUSPECT_BYTES cut off or refused ST_BAD_FRAME) that
-# halve the row budget: one alone is as likely a worker restart or a network cut.
-SIZE_FAILURES_TO_SHRINK: Final = 2
-# Good STEPs after which a lowered budget is doubled again (the worker may have been restarted
-# with a larger limit); the wait doubles after every probe that fails, so a worker that keeps
-# refusing sees one probe every 256, 512, 1024 ... rounds.
-PROBE_AFTER_OK_STEPS: Final = 256
-# The row budget never goes under ceil(W / MIN_ROW_BUDGET_PARTS): a resync in at most this many
-# STEPs. A worker refusing even that is unusable and the client is disabled, with the sizes.
-MIN_ROW_BUDGET_PARTS: Final = 8
 # Entry kinds of a round's plan.
 _CONT: Final = 0  # continues the worker's window: new rows, or a backlog from the ring
 _RESYNC: Final = 1  # RF_RESET with the ring's newest rows (or its oldest part, when split)
@@ -102,15 +111,6 @@ _U8: Final = np.dtype(np.uint8)
 # lines come once, at the failure, and scroll away while the engine serves target-only.
 NO_WORKER_LOG_S: Final = 60.0
 _BASE: Final = operator.attrgetter("base")
-
-
-def fair_bound_rounds(n_slots: int, budget: int, window: int) -> int:
-    """Rounds within which every slot asked for in each of them is sent, for ``n_slots`` slots
-    and a row budget ``>= window``: ``ceil(n / (budget // W))`` (docs/architecture.md). A
-    slot is *starved* when it has been left out of more rounds in a row than this minus one."""
-    if budget < window:  # split resyncs: one slot at a time, ceil(W / budget) parts each
-        return max(1, n_slots) * math.ceil(window / max(1, budget))
-    return max(1, math.ceil(n_slots / (budget // window)))
 
 
 class SlotRequest(msgspec.Struct, gc=False):
@@ -132,32 +132,6 @@ class SlotRequest(msgspec.Struct, gc=False):
     top_k: int = 0
     temperature: float = 0.0
     top_p: float = 0.0
-
-
-class RoundResult(msgspec.Struct, gc=False):
-    """What one round gives, in the order of the requests passed to ``run`` / ``run_batch``.
-
-    ok: the worker answered (False: target-only round; ``reason`` says why).
-    num_drafted[i]: usable draft positions of request i (0: target-only for that slot).
-    draft_ids / confidence / margin ``[n, N]``; support_ids / proposal_q ``[n, N, 32]`` on a
-    sampled session. Positions ``j >= num_drafted[i]`` carry zeros. ``status[i]``: the
-    request status of section 7.2, or NOT_SENT. ``has_confidence`` False: the drafter has no
-    confidence head (``RPF_NO_CONFIDENCE``): its confidences are 1.0 and predict nothing, so a
-    depth policy verifies a static number of drafts (``schedule_greedy(None, ...)``)."""
-
-    ok: bool
-    reason: str | None
-    num_drafted: npt.NDArray[np.int32]
-    status: npt.NDArray[np.uint8]
-    draft_ids: npt.NDArray[np.int32]
-    confidence: npt.NDArray[np.float32]
-    margin: npt.NDArray[np.float32] | None = None
-    support_ids: npt.NDArray[np.int32] | None = None
-    proposal_q: npt.NDArray[np.uint32] | None = None
-    resynced: int = 0
-    rows_sent: int = 0
-    rtt_us: float = 0.0
-    has_confidence: bool = True
 
 
 class _Round(msgspec.Struct, gc=False):
@@ -305,22 +279,10 @@ class DraftRounds:
         self._worker_gen: Ints = np.full(S, _NONE, np.int64)
         self._worker_end: Ints = np.zeros(S, np.int64)
         self._synced_epoch: Ints = np.full(S, _NO_EPOCH, np.int64)
-        # Rounds in a row each slot was asked for and left out (its age for the row budget).
-        self._waiting: Ints = np.zeros(S, np.int64)
-        self._starved = np.zeros(S, bool)
-        # The row budget in force: max_rows_per_step, lowered after size refusals.
-        self.row_budget = h.max_rows_per_step
-        self._size_failures = 0  # size refusals in a row
-        self._ok_since_cut = 0  # good STEPs since the budget was last lowered
-        self._probe_after = PROBE_AFTER_OK_STEPS
-        self._probing = False  # the budget was just raised again: a failure lowers it at once
-        self._publish_budget()
-        client.stats.set("starved_slots_now", 0)
+        # The rows one STEP may carry, and every slot's age for it.
+        self.budget = RowBudget(S, h.window, h.row_bytes, h.max_rows_per_step, client.stats)
         N = h.num_spec
-        self._zero_ids = np.zeros((S, N), np.int32)
-        self._zero_conf = np.zeros((S, N), np.float32)
-        self._zero_sup = np.zeros((S, N, MAX_TOP_K), np.int32) if self.sampled else None
-        self._zero_q = np.zeros((S, N, MAX_TOP_K), np.uint32) if self.sampled else None
+        self.results = Results(S, N, self.sampled)
         self.rounds = 0
         self.failed_rounds = 0
         # The last round when the next may continue it (``_Usual``); False: never (the rounds
@@ -336,6 +298,15 @@ class DraftRounds:
         self._no_worker_logged = 0.0
 
     # -- public -------------------------------------------------------------------------------
+    @property
+    def row_budget(self) -> int:
+        """The rows one STEP may carry now (``RowBudget.limit``)."""
+        return self.budget.limit
+
+    @row_budget.setter
+    def row_budget(self, rows: int) -> None:
+        self.budget.limit = rows
+
     def needs_resync(self, slot: int) -> bool:
         """Whether the slot's next entry will be a resync (for tests and tools)."""
         epoch = self.client.connection_epoch()
@@ -708,7 +679,7 @@ class DraftRounds:
         if usual is not None and rnd.usual and epoch == usual.epoch and \
                 _bounds(rnd.n_rows)[1] <= self.window:
             n_rows = int(rnd.n_rows.sum())
-        if 0 <= n_rows <= self.row_budget:
+        if 0 <= n_rows <= self.budget.limit:
             # Every slot continues with exactly its new rows within the budget: the plan of
             # ``_plan``'s first case, known without looking at the per-slot state (the last
             # round left every window valid, sent every slot whole and reset their ages).
@@ -763,11 +734,13 @@ class DraftRounds:
             body = wire.rows_offset_for(len(entries)) + n_rows * self.row_bytes
             if body > SIZE_SUSPECT_BYTES and out.reason in ("transport_error",
                                                             "frame_bad_frame_size"):
-                self._size_refused(n_rows, body, out.reason)
+                why = self.budget.size_refused(n_rows, body, out.reason)
+                if why is not None:
+                    client.disable(why)
             res = self._failed(n, out.reason or "failed")
             res.rtt_us = out.rtt_us
             return res
-        self._step_ok()
+        self.budget.step_ok()
         reply = out.reply
         status = reply.status[:m]
         if usual is not None and not status.any():  # every status RS_OK (0)
@@ -781,7 +754,7 @@ class DraftRounds:
         else:
             self._applied(rnd, chosen, slots, end, status, reply, epoch, m == n and
                           end is rnd.anchor_pos and len(entries) >= n, entries)
-        res = self._result(n, chosen, reply, out.drafted)
+        res = self.results.from_reply(n, chosen, reply, out.drafted)
         res.resynced = resynced
         res.rows_sent = n_rows
         res.rtt_us = out.rtt_us
@@ -866,8 +839,8 @@ class DraftRounds:
         cont = valid & (wend == a - n_new)
         k = np.minimum(n_new, W)
         chosen = np.arange(len(s), dtype=np.int64)
-        if cont.all() and int(k.sum()) <= self.row_budget:
-            self._sent(s)
+        if cont.all() and int(k.sum()) <= self.budget.limit:
+            self.budget.sent(s)
             return chosen, np.zeros(len(s), np.int64), k, a, False
         self._write_rows(rnd)
         if not cont.all():
@@ -879,9 +852,9 @@ class DraftRounds:
             kind = np.where(cont | backlog, _CONT, _RESYNC)
         else:
             kind = np.zeros(len(s), np.int64)
-        if int(k.sum()) > self.row_budget:
-            return (*self._fit_budget(rnd, kind, k, self.row_budget), True)
-        self._sent(s)
+        if int(k.sum()) > self.budget.limit:
+            return (*self.budget.fit(s, a, kind, k), True)
+        self.budget.sent(s)
         return chosen, kind, k, a, True
 
     def _stage(self, rnd: _Round, chosen: Ints, k: Ints, end: Ints, n_rows: int,
@@ -992,138 +965,10 @@ class DraftRounds:
         self._gen[slots] = _NONE
         self._worker_gen[slots] = _NONE
         self._synced_epoch[slots] = _NO_EPOCH
-        self._waiting[slots] = 0
+        self.budget.forget(slots)
         self.ring.start[slots] = self.ring.end[slots] = 0
-        if self._starved[slots].any():
-            self._starved[slots] = False
-            self.client.stats.set("starved_slots_now", int(self._starved.sum()))
 
     # -- the row budget ---------------------------------------------------------------------------
-    def _fit_budget(self, rnd: _Round, kind: Ints, k: Ints, budget: int
-                    ) -> tuple[Ints, Ints, Ints, Ints]:
-        """Over the row budget: entries oldest first (rounds left out in a row), then
-        continuing before resync, then the engine's order, while they fit. The first always
-        goes: whole, or its oldest ``budget`` rows when it needs more (a resync in parts). What
-        is left out keeps its rows in the ring and ages by one."""
-        s, a = rnd.slots, rnd.anchor_pos
-        n = len(s)
-        order = np.lexsort((np.arange(n), kind, -self._waiting[s]))
-        ko = k[order]
-        take = np.zeros(n, bool)  # by place in ``order``: goes out whole
-        part = -1  # place in ``order`` of the entry that goes out in part
-        rem = budget
-        live = np.arange(n)
-        # Greedy in order: the longest prefix that fits goes, the entry after it does not;
-        # what follows is tried again with what is left. An entry larger than what is left can
-        # never fit later (what is left only shrinks), so each pass drops those first.
-        while len(live):
-            c = np.cumsum(ko[live])
-            fit = int(np.searchsorted(c, rem, side="right"))
-            take[live[:fit]] = True
-            if fit:
-                rem -= int(c[fit - 1])
-            if fit == len(live):
-                break
-            if rem == budget:  # nothing with rows went yet: the oldest part now, the rest later
-                part = int(live[fit])
-                rem = 0
-            rest = live[fit + 1:]
-            live = rest[ko[rest] <= rem]
-        whole = order[take]
-        self._sent(s[whole])
-        picked = whole
-        if part >= 0:
-            picked = np.append(whole, order[part])
-            self.client.stats.inc("resync_parts_total")
-        picked = np.sort(picked)  # entries in the engine's order
-        kp, endp = k[picked], a[picked]
-        if part >= 0:
-            j = int(np.searchsorted(picked, order[part]))
-            endp = endp.copy()
-            endp[j] = a[order[part]] - k[order[part]] + budget
-            kp = kp.copy()
-            kp[j] = budget
-        left = np.ones(n, bool)
-        left[whole] = False
-        left_out = s[left]
-        if len(left_out):
-            bound = fair_bound_rounds(n, budget, self.window)
-            waiting, starved = self._waiting, self._starved
-            waiting[left_out] += 1
-            newly = left_out[(waiting[left_out] >= bound) & ~starved[left_out]]
-            counts = {"deferred_slots_total": len(left_out)}
-            if len(newly):
-                starved[newly] = True
-                counts["starved_slots_total"] = len(newly)
-                self.client.stats.set("starved_slots_now", int(starved.sum()))
-                log.warning("remote DSpark: %d slots left out of %d or more rounds in a row by"
-                            " the row budget (%d rows per STEP, W %d, %d slots asked)",
-                            len(newly), bound, budget, self.window, n)
-            self.client.stats.inc_many(counts)
-        return picked, kind[picked], kp, endp
-
-    def _sent(self, slots: Ints) -> None:
-        """Slots that went out whole: their age starts again."""
-        waiting = self._waiting
-        if waiting[slots].any():
-            waiting[slots] = 0
-            if self._starved[slots].any():
-                self._starved[slots] = False
-                self.client.stats.set("starved_slots_now", int(self._starved.sum()))
-
-    # -- the row budget after size refusals ---------------------------------------------------
-    def _publish_budget(self) -> None:
-        self.client.stats.set("row_budget", self.row_budget)
-        self.client.stats.set("fair_bound_rounds",
-                              fair_bound_rounds(self.max_slots, self.row_budget, self.window))
-
-    def _step_ok(self) -> None:
-        self._size_failures = 0
-        self._probing = False
-        if self.row_budget < self.max_rows_per_step:
-            self._ok_since_cut += 1
-            if self._ok_since_cut >= self._probe_after:
-                self.row_budget = min(self.max_rows_per_step, 2 * self.row_budget)
-                self._ok_since_cut = 0
-                self._probing = True
-                self.client.stats.inc("row_budget_probes_total")
-                self._publish_budget()
-                log.info("remote DSpark: trying STEPs of up to %d rows again",
-                         self.row_budget)
-
-    def _size_refused(self, n_rows: int, body: int, reason: str) -> None:
-        """A STEP of ``n_rows`` rows (``body`` bytes) was cut off or refused for its size."""
-        self._size_failures += 1
-        stats = self.client.stats
-        stats.inc("step_size_refusals_total")
-        if self._size_failures < SIZE_FAILURES_TO_SHRINK and not self._probing:
-            return
-        if self._probing:
-            self._probe_after *= 2
-        self._probing = False
-        self._size_failures = 0
-        self._ok_since_cut = 0
-        floor = math.ceil(self.window / MIN_ROW_BUDGET_PARTS)
-        what = ("refused BAD_FRAME" if reason == "frame_bad_frame_size"
-                else "cut off while sending")
-        if self.row_budget <= floor or n_rows <= floor:
-            msg = (f"STEPs of {n_rows} rows ({body} bytes) keep being {what}, and a resync"
-                   f" cannot be split finer than {floor} rows per STEP (W {self.window},"
-                   f" {self.row_bytes}-byte rows); raise the worker's --max-frame-bytes to at"
-                   f" least {wire.APP_HEADER_SIZE + body} or check the network path")
-            self.client.disable(msg)
-            return
-        self.row_budget = max(floor, min(self.row_budget, n_rows) // 2)
-        stats.inc("row_budget_cuts_total")
-        self._publish_budget()
-        log.warning("remote DSpark: STEPs of %d rows (%d bytes) were %s %d times in a row;"
-                    " sending at most %d rows (%d bytes) per STEP from now on%s. The worker's"
-                    " --max-frame-bytes is probably below the STEPs max_rows_per_step %d allows",
-                    n_rows, body, what, SIZE_FAILURES_TO_SHRINK, self.row_budget,
-                    wire.rows_offset_for(self.max_slots) + self.row_budget * self.row_bytes,
-                    ", resyncs split" if self.row_budget < self.window else "",
-                    self.max_rows_per_step)
-
     def _no_worker(self) -> None:
         """A round without a worker: say so at WARNING once NO_WORKER_LOG_S have gone by
         without one, and once per NO_WORKER_LOG_S after that."""
@@ -1149,43 +994,4 @@ class DraftRounds:
         self.failed_rounds += 1
         self.client.stats.inc("rounds_failed")
         self.client.stats.inc(f"rounds_failed_{reason}")
-        return RoundResult(
-            ok=False, reason=reason, num_drafted=np.zeros(n, np.int32),
-            status=np.full(n, NOT_SENT, np.uint8), draft_ids=self._zero_ids[:n],
-            confidence=self._zero_conf[:n], margin=self._zero_conf[:n],
-            support_ids=None if self._zero_sup is None else self._zero_sup[:n],
-            proposal_q=None if self._zero_q is None else self._zero_q[:n],
-            has_confidence=self.client.has_confidence is not False)
-
-    def _result(self, n: int, included: Ints, reply: wire.StepReply,
-                drafted: npt.NDArray[np.int64]) -> RoundResult:
-        m = len(included)
-        if m == n:  # every request went out, in order: the reply's rows are the result's
-            return RoundResult(
-                ok=True, reason=None, num_drafted=drafted[:n].astype(np.int32),
-                status=reply.status[:n],
-                draft_ids=reply.draft_ids[:n], confidence=reply.confidence[:n],
-                margin=None if reply.margin is None else reply.margin[:n],
-                support_ids=None if reply.support_ids is None else reply.support_ids[:n],
-                proposal_q=None if reply.proposal_q is None else reply.proposal_q[:n],
-                has_confidence=not reply.flags & wire.RPF_NO_CONFIDENCE)
-        # Some requests were deferred: scatter the reply's rows to the requests' places.
-        num = np.zeros(n, np.int32)
-        idx = included
-        num[idx] = drafted[:m]
-        status = np.full(n, NOT_SENT, np.uint8)
-        status[idx] = reply.status[:m]
-
-        def scatter(a: Any) -> Any:
-            if a is None:
-                return None
-            out = np.zeros((n, *a.shape[1:]), a.dtype)
-            out[idx] = a[:m]
-            return out
-
-        return RoundResult(
-            ok=True, reason=None, num_drafted=num, status=status,
-            draft_ids=scatter(reply.draft_ids), confidence=scatter(reply.confidence),
-            margin=scatter(reply.margin), support_ids=scatter(reply.support_ids),
-            proposal_q=scatter(reply.proposal_q),
-            has_confidence=not reply.flags & wire.RPF_NO_CONFIDENCE)
+        return self.results.target_only(n, reason, self.client.has_confidence is not False)

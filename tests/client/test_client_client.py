@@ -29,7 +29,7 @@ from client_fakes import (
     rows_for,
 )
 
-import dspark_client.client as client_mod
+import dspark_client.exchange as exchange_mod
 from dspark_client.client import RemoteDraftClient
 from dspark_client.config import RemoteConfig
 from dspark_client.stats import Stats
@@ -102,7 +102,7 @@ def test_hello_identity_refusal_disables_with_both_identities() -> None:
         # last_error, where an engine looks first, says the same.
         assert c.last_error == f"remote drafting disabled: {c.disabled_reason}"
         assert c.step(bytearray(256), [], 0, 1).reason == "disabled"
-        thread = c._thread
+        thread = c.link.thread
         assert thread is not None and wait_for(lambda: not thread.is_alive())
         c.close()
 
@@ -181,9 +181,9 @@ def test_backoff_doubles_with_jitter_and_caps() -> None:
     c = RemoteDraftClient(cfg("tcp://127.0.0.1:9", backoff_ms=100, backoff_max_ms=400,
                               jitter=0.25), make_hello(), background=False)
     delays = []
-    with c._lock:
+    with c.link.lock:
         for _ in range(6):
-            delays.append(c._schedule_retry_locked())
+            delays.append(c.link.schedule_retry_locked())
     bases = [0.1, 0.2, 0.4, 0.4, 0.4, 0.4]
     for d, b in zip(delays, bases, strict=True):
         assert b * 0.75 <= d <= b * 1.25
@@ -430,7 +430,7 @@ def test_the_draws_request_side_is_made_while_the_reply_is_on_its_way(
     received, made = threading.Event(), threading.Event()
     seen_by_client: list[bool] = []
     seen_by_worker: list[bool] = []
-    real = client_mod.ReplyCheck
+    real = exchange_mod.ReplyCheck
 
     def spy(*a: Any, **kw: Any) -> Any:  # the STEP must be at the worker already
         seen_by_client.append(received.wait(5))
@@ -441,7 +441,7 @@ def test_the_draws_request_side_is_made_while_the_reply_is_on_its_way(
         received.set()
         seen_by_worker.append(made.wait(5))
 
-    monkeypatch.setattr(client_mod, "ReplyCheck", spy)
+    monkeypatch.setattr(exchange_mod, "ReplyCheck", spy)
     fw.step_hook = hook
     out = sampled_prefill(sampled_client)
     assert out.ok, sampled_client.stats.get("last_bad_reply")
@@ -453,7 +453,7 @@ def test_a_failure_while_waiting_is_made_good_when_the_reply_is_in(
     """The request-only work must not raise inside the transport (that would drop the
     connection): what fails there is made again once the reply is in, and a reply that is
     good still passes."""
-    real = client_mod.ReplyCheck
+    real = exchange_mod.ReplyCheck
     calls = {"n": 0}
 
     def flaky(*a: Any, **kw: Any) -> Any:
@@ -462,7 +462,7 @@ def test_a_failure_while_waiting_is_made_good_when_the_reply_is_in(
             raise MemoryError("scratch")
         return real(*a, **kw)
 
-    monkeypatch.setattr(client_mod, "ReplyCheck", flaky)
+    monkeypatch.setattr(exchange_mod, "ReplyCheck", flaky)
     epoch = sampled_client.connection_epoch()
     out = sampled_prefill(sampled_client)
     assert out.ok, sampled_client.stats.get("last_bad_reply")
@@ -530,7 +530,7 @@ def test_simple_request(fw: FakeWorker, client: RemoteDraftClient) -> None:
 def test_dropped_client_is_collected_and_its_thread_ends(fw: FakeWorker) -> None:
     c = RemoteDraftClient(cfg(fw.endpoint), make_hello(), stats=Stats())
     assert c.wait_ready(2.0)
-    thread = c._thread
+    thread = c.link.thread
     assert thread is not None and thread.is_alive()
     ref = weakref.ref(c)
     del c
@@ -547,9 +547,9 @@ def test_close_is_idempotent_and_stops_thread(fw: FakeWorker) -> None:
     c.close()
     c.close()
     assert not c.ready
-    assert c._thread is not None
-    c._thread.join(2.0)
-    assert not c._thread.is_alive()
+    assert c.link.thread is not None
+    c.link.thread.join(2.0)
+    assert not c.link.thread.is_alive()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

@@ -448,7 +448,7 @@ def test_staging_is_what_goes_out(fw: FakeWorker, setup: Any) -> None:
     one gather."""
     c, rounds, eng = setup
     seen: list[Any] = []
-    conn: Any = c._shared.conn
+    conn: Any = c.link.conn
     assert conn is not None
     real = conn.request_parts
 

@@ -319,7 +319,7 @@ def test_both_forms_refuse_alike_and_send_nothing(bad: dict[str, Any], words: st
 def spy_parts(client: RemoteDraftClient) -> list[Any]:
     """The parts of every frame the client's transport is given from now on."""
     seen: list[Any] = []
-    conn: Any = client._shared.conn
+    conn: Any = client.link.conn
     real = conn.request_parts
 
     def spy(parts: Any, buf: bytearray, timeout: float, **kw: Any) -> int:
